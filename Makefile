@@ -1,0 +1,61 @@
+# ComputeDomain service. `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PY := .venv/bin/python
+STAMP := .venv/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: help install testbin cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds bench
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv .venv
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test,dev]'
+	@rm -f .venv/.installed-*; touch $(STAMP)
+
+install: $(STAMP) ## create .venv with the pinned Python dependencies (idempotent)
+
+testbin: ## build etcd, kube-*, kubectl, kwok and helm from the Go module proxy (cached by version)
+	@testbin/build.sh >/dev/null
+
+cluster-up: install testbin ## start the local control plane; kubeconfig at .cluster/kubeconfig
+	@$(PY) -m tests.testbed.cluster up
+
+cluster-down: install ## stop the local control plane
+	@$(PY) -m tests.testbed.cluster down
+
+demo: cluster-up ## run the demo on the local cluster
+	@$(PY) -m tests.testbed.demo
+
+test: install testbin ## everything: lint, types, unit and cluster tests (starts a cluster for the run)
+	@$(MAKE) --no-print-directory lint typecheck
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: install ## unit tests only (no cluster)
+	@$(PY) -m pytest -m 'not cluster and not gpu' $(PYTEST_ARGS)
+
+test-cluster: install testbin ## cluster tests only
+	@$(PY) -m pytest -m cluster $(PYTEST_ARGS)
+
+test-gpu: install ## hardware lane: NVML and /proc tests on a real NVIDIA GPU (skip cleanly without one)
+	@$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+lint: install ## ruff lint + format check, import boundaries
+	@.venv/bin/ruff check .
+	@.venv/bin/ruff format --check .
+	@.venv/bin/lint-imports
+
+format: install ## apply ruff formatting and fixes
+	@.venv/bin/ruff format .
+	@.venv/bin/ruff check --fix .
+
+typecheck: install ## mypy --strict on the packages
+	@.venv/bin/mypy
+
+crds: install ## regenerate manifests/crds from the pydantic models
+	@$(PY) -m computedomain.api.crdgen manifests/crds
+
+bench: install testbin ## all benchmarks (medians and ratios, not pass/fail)
+	@$(PY) -m tests.bench

@@ -1,0 +1,1 @@
+"""ComputeDomain service: API models, controller, DRA kubelet plugin and the Kubernetes I/O layer."""
