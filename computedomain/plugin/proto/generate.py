@@ -1,0 +1,48 @@
+"""Regenerates the Python gRPC modules from the .proto files in this folder.
+
+Run from anywhere: ``.venv/bin/python computedomain/plugin/proto/generate.py``. The output is
+checked in; ``tests/unit/plugin/test_proto_wire.py`` fails when it is stale. Paths are given to
+protoc relative to the repository root, so generated imports read
+``from computedomain.plugin.proto import dra_v1_pb2`` and the descriptor file names
+(``computedomain/plugin/proto/*.proto``) cannot clash with anyone else's protos.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import resources
+from pathlib import Path
+
+from grpc_tools import protoc
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[2]
+PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "pluginregistration_v1.proto")
+
+
+def generate(out_dir: Path) -> None:
+    """Writes ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` for every proto into out_dir/<package path>."""
+    package_dir = HERE.relative_to(REPO_ROOT)
+    (out_dir / package_dir).mkdir(parents=True, exist_ok=True)
+    well_known = resources.files("grpc_tools") / "_proto"
+    for name in PROTOS:
+        args = [
+            "grpc_tools.protoc",
+            f"-I{REPO_ROOT}",
+            f"-I{well_known}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            str(package_dir / name),
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed for {name}")
+
+
+def main() -> int:
+    generate(REPO_ROOT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
