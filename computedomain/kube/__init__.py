@@ -1,0 +1,7 @@
+"""The Kubernetes I/O layer: the only package that imports kubernetes_asyncio.
+
+Modules: ``errors`` (the error taxonomy), ``client`` (raw-JSON API client, resource registry, retries,
+QPS limit, metrics), ``informer`` (list-then-watch caches), ``workqueue`` (keyed work queue and workers),
+``events`` (Kubernetes Events with de-duplication), ``leader`` (Lease-based leader election), ``clock`` and
+``ratelimit`` (time and rate-limit primitives, injectable for tests).
+"""

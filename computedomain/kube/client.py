@@ -1,0 +1,1003 @@
+"""The asynchronous Kubernetes API client: the only code in the project that sends requests to the apiserver.
+
+What it owns:
+
+* loading credentials (a kubeconfig path, the in-cluster service account, or the default kubeconfig) through
+  kubernetes_asyncio's config loaders, and one pooled aiohttp session (kubernetes_asyncio's ``ApiClient``);
+* raw JSON requests for any resource path (``Resource`` says where a kind lives): get, list with selectors and
+  pagination, create, replace, status replace, merge/JSON patch, server-side apply, delete with
+  preconditions, and streaming watch. Responses are ``json.loads``-ed and handed to a caller-supplied decoder
+  (a pydantic ``model_validate`` or a small frozen projection); without one, callers get the plain dict.
+  Generated kubernetes_asyncio models are never built: they are 16-25x slower to decode;
+* a client-side token bucket (QPS/burst), a deadline on every attempt and on the whole call, and the single
+  call-level retry loop (tenacity): ``Transient`` and ``TooManyRequests`` are retried with jittered
+  exponential backoff, honouring ``Retry-After``; ``NotFound``, ``Conflict``, ``Gone`` and ``Permanent`` are
+  raised at once, because only the caller (re-read, re-list, report) can fix those;
+* Prometheus metrics: requests by verb, resource and code (409 and 429 visible), latency, retries,
+  rate-limiter waits.
+
+Concurrency: one ``KubeClient`` is shared by every task of a process. Calls are independent coroutines; the
+token bucket is a synchronous reservation, so concurrent callers are spaced out in arrival order. A watch is
+an async generator that owns its HTTP response; closing the generator (``aclose`` or leaving an
+``aclosing`` block) closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeAlias, TypeVar, overload
+from urllib.parse import quote
+
+import aiohttp
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.config import load_incluster_config, load_kube_config
+from prometheus_client import Counter, Histogram
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+
+from computedomain.kube.clock import Clock, MonotonicClock
+from computedomain.kube.errors import (
+    KubeError,
+    Permanent,
+    TooManyRequests,
+    Transient,
+    error_from_response,
+    error_from_status,
+)
+from computedomain.kube.ratelimit import TokenBucket
+
+__all__ = [
+    "COMPUTE_DOMAINS",
+    "COMPUTE_DOMAIN_CLIQUES",
+    "DAEMONSETS",
+    "DEVICE_CLASSES",
+    "EVENTS",
+    "EVENTS_V1",
+    "LEASES",
+    "NAMESPACES",
+    "NODES",
+    "PODS",
+    "REGISTRY",
+    "RESOURCE_CLAIMS",
+    "RESOURCE_CLAIM_TEMPLATES",
+    "RESOURCE_SLICES",
+    "ClientConfig",
+    "Decoder",
+    "KubeClient",
+    "ObjectList",
+    "Raw",
+    "Resource",
+    "WatchEvent",
+]
+
+log = logging.getLogger(__name__)
+
+Raw: TypeAlias = dict[str, Any]
+T = TypeVar("T")
+Decoder: TypeAlias = Callable[[Raw], T]
+
+# --------------------------------------------------------------------------------------------------------
+# Resource registry
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """Where a kind lives in the API: ``(group, version, plural, namespaced)`` plus its ``kind``."""
+
+    group: str
+    version: str
+    plural: str
+    namespaced: bool
+    kind: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(
+        self, *, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
+        """The URL path; a namespaced resource without ``namespace`` means "all namespaces" (list/watch)."""
+        parts = ["/api", self.version] if not self.group else ["/apis", self.group, self.version]
+        if self.namespaced and namespace:
+            parts += ["namespaces", quote(namespace, safe="")]
+        elif not self.namespaced and namespace:
+            raise ValueError(f"{self.plural} is cluster-scoped; got namespace {namespace!r}")
+        parts.append(self.plural)
+        if name is not None:
+            if not name:
+                raise ValueError(f"empty name for {self.plural}")
+            if self.namespaced and not namespace:
+                raise ValueError(f"{self.plural} is namespaced; a namespace is required for {name!r}")
+            parts.append(quote(name, safe=""))
+            if subresource:
+                parts.append(subresource)
+        return "/".join(parts)
+
+
+PODS = Resource("", "v1", "pods", True, "Pod")
+NODES = Resource("", "v1", "nodes", False, "Node")
+NAMESPACES = Resource("", "v1", "namespaces", False, "Namespace")
+EVENTS = Resource("", "v1", "events", True, "Event")
+EVENTS_V1 = Resource("events.k8s.io", "v1", "events", True, "Event")
+LEASES = Resource("coordination.k8s.io", "v1", "leases", True, "Lease")
+DAEMONSETS = Resource("apps", "v1", "daemonsets", True, "DaemonSet")
+RESOURCE_CLAIMS = Resource("resource.k8s.io", "v1", "resourceclaims", True, "ResourceClaim")
+RESOURCE_CLAIM_TEMPLATES = Resource(
+    "resource.k8s.io", "v1", "resourceclaimtemplates", True, "ResourceClaimTemplate"
+)
+RESOURCE_SLICES = Resource("resource.k8s.io", "v1", "resourceslices", False, "ResourceSlice")
+DEVICE_CLASSES = Resource("resource.k8s.io", "v1", "deviceclasses", False, "DeviceClass")
+COMPUTE_DOMAINS = Resource("resource.nvidia.com", "v1beta1", "computedomains", True, "ComputeDomain")
+COMPUTE_DOMAIN_CLIQUES = Resource(
+    "resource.nvidia.com", "v1beta1", "computedomaincliques", True, "ComputeDomainClique"
+)
+
+#: Every resource the service touches, by ``(api_version, kind)``.
+REGISTRY: Mapping[tuple[str, str], Resource] = {
+    (r.api_version, r.kind): r
+    for r in (
+        PODS,
+        NODES,
+        NAMESPACES,
+        EVENTS,
+        LEASES,
+        DAEMONSETS,
+        RESOURCE_CLAIMS,
+        RESOURCE_CLAIM_TEMPLATES,
+        RESOURCE_SLICES,
+        DEVICE_CLASSES,
+        COMPUTE_DOMAINS,
+        COMPUTE_DOMAIN_CLIQUES,
+    )
+}
+
+# --------------------------------------------------------------------------------------------------------
+# Metrics (module level: prometheus-client registries are process-wide)
+
+API_REQUESTS = Counter(
+    "computedomain_kube_api_requests_total",
+    "Kubernetes API requests by verb, resource and HTTP code ('error' when no response arrived).",
+    ["verb", "resource", "code"],
+)
+API_LATENCY = Histogram(
+    "computedomain_kube_api_request_duration_seconds",
+    "Kubernetes API request latency per attempt (watch: time to the response headers).",
+    ["verb", "resource"],
+    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+API_RETRIES = Counter(
+    "computedomain_kube_api_retries_total",
+    "Kubernetes API call-level retries by verb, resource and error class.",
+    ["verb", "resource", "error"],
+)
+RATE_LIMIT_WAIT = Histogram(
+    "computedomain_kube_api_rate_limiter_wait_seconds",
+    "Time requests waited for the client-side QPS limiter.",
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+
+# --------------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectList(Generic[T]):
+    """One page (or, from ``list_all``, every page) of a list, with the list's resourceVersion."""
+
+    items: list[T]
+    resource_version: str
+    continue_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One watch event: ``type`` is ADDED, MODIFIED, DELETED or BOOKMARK; ``object`` is the raw object."""
+
+    type: str
+    object: Raw
+
+    @property
+    def resource_version(self) -> str:
+        return str(self.object.get("metadata", {}).get("resourceVersion") or "")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """Client-side limits. Defaults suit the controller; node agents should use a few QPS."""
+
+    qps: float = 20.0
+    burst: int = 50
+    #: deadline of one attempt (connect + response)
+    timeout: float = 10.0
+    #: deadline of the whole call including retries
+    deadline: float = 30.0
+    max_attempts: int = 5
+    backoff_base: float = 0.1
+    backoff_cap: float = 5.0
+    field_manager: str = "computedomain"
+    user_agent: str = "computedomain/0.1"
+    #: a watch with neither events nor bookmarks for this long is considered dead
+    watch_inactivity_timeout: float = 70.0
+    extra_headers: Mapping[str, str] = field(default_factory=dict)
+
+
+_JSON = "application/json"
+_MERGE_PATCH = "application/merge-patch+json"
+_JSON_PATCH = "application/json-patch+json"
+_APPLY_PATCH = "application/apply-patch+yaml"
+
+Query: TypeAlias = list[tuple[str, str]]
+
+
+def _list_query(
+    *,
+    label_selector: str | None,
+    field_selector: str | None,
+    resource_version: str | None,
+    resource_version_match: str | None = None,
+    limit: int | None = None,
+    continue_token: str | None = None,
+) -> Query:
+    q: Query = []
+    if label_selector:
+        q.append(("labelSelector", label_selector))
+    if field_selector:
+        q.append(("fieldSelector", field_selector))
+    if resource_version is not None:
+        q.append(("resourceVersion", resource_version))
+    if resource_version_match:
+        q.append(("resourceVersionMatch", resource_version_match))
+    if limit:
+        q.append(("limit", str(limit)))
+    if continue_token:
+        q.append(("continue", continue_token))
+    return q
+
+
+def _default_kubeconfig() -> str:
+    return str(Path.home() / ".kube" / "config")
+
+
+def _identity(raw: Raw) -> Raw:
+    return raw
+
+
+def _name_ns(resource: Resource, body: Mapping[str, Any], namespace: str | None) -> tuple[str, str | None]:
+    meta = body.get("metadata") or {}
+    name = str(meta.get("name") or "")
+    ns = (namespace or meta.get("namespace")) if resource.namespaced else None
+    return name, ns
+
+
+class KubeClient:
+    """Raw-JSON Kubernetes client with deadlines, retries, a QPS limit and metrics (see the module)."""
+
+    def __init__(
+        self,
+        api_client: ApiClient,
+        *,
+        config: ClientConfig | None = None,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._api = api_client
+        self.config = config or ClientConfig()
+        self._clock: Clock = clock or MonotonicClock()
+        self._bucket = TokenBucket(self.config.qps, self.config.burst, clock=self._clock)
+        # Only for retry jitter; injectable so tests are deterministic.
+        self._rng = rng or random.Random()
+        self._api.user_agent = self.config.user_agent
+        self._closed = False
+
+    # ---- construction --------------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        *,
+        kubeconfig: Path | str | None = None,
+        context: str | None = None,
+        config: ClientConfig | None = None,
+        clock: Clock | None = None,
+    ) -> KubeClient:
+        """Load credentials and open a client.
+
+        ``kubeconfig`` wins; otherwise the in-cluster service account when running in a pod
+        (``KUBERNETES_SERVICE_HOST`` set); otherwise ``$KUBECONFIG`` or ``~/.kube/config``.
+        """
+        cfg = Configuration()
+        if kubeconfig is not None:
+            await load_kube_config(
+                config_file=str(kubeconfig), context=context, client_configuration=cfg, persist_config=False
+            )
+        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        else:
+            path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or _default_kubeconfig()
+            await load_kube_config(
+                config_file=path, context=context, client_configuration=cfg, persist_config=False
+            )
+        return cls(ApiClient(configuration=cfg), config=config, clock=clock)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._api.close()
+
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def host(self) -> str:
+        return str(self._api.configuration.host)
+
+    # ---- the request core ----------------------------------------------------------------------------
+
+    def _backoff(self, rs: RetryCallState) -> float:
+        """Jittered exponential backoff; never shorter than the apiserver's Retry-After."""
+        n = rs.attempt_number
+        delay: float = min(self.config.backoff_cap, self.config.backoff_base * (2 ** (n - 1)))
+        delay = delay * (0.5 + self._rng.random())  # "equal jitter": 0.5x .. 1.5x
+        exc = rs.outcome.exception() if rs.outcome is not None else None
+        if isinstance(exc, KubeError) and exc.retry_after is not None:
+            delay = max(delay, exc.retry_after * (1.0 + 0.1 * self._rng.random()))
+        return delay
+
+    def _stop(self, rs: RetryCallState) -> bool:
+        # Give up when out of attempts or when the next sleep would overrun the call's deadline:
+        # a long Retry-After is better handled by the work queue than by parking the caller.
+        if rs.attempt_number >= self.config.max_attempts:
+            return True
+        elapsed = rs.seconds_since_start or 0.0
+        return elapsed + rs.upcoming_sleep > self.config.deadline
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        verb: str,
+        resource: str,
+        query: Query | None = None,
+        body: Any = None,
+        content_type: str = _JSON,
+        attempt_timeout: float | None = None,
+    ) -> bytes:
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type((Transient, TooManyRequests)),
+            wait=self._backoff,
+            stop=self._stop,
+            sleep=self._clock.sleep,
+            reraise=True,
+            before_sleep=lambda rs: self._log_retry(rs, verb=verb, resource=resource, path=path),
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._attempt(
+                    method,
+                    path,
+                    verb=verb,
+                    resource=resource,
+                    query=query,
+                    body=body,
+                    content_type=content_type,
+                    attempt_timeout=attempt_timeout or self.config.timeout,
+                )
+        raise AssertionError("unreachable: tenacity either returns or re-raises")  # pragma: no cover
+
+    def _log_retry(self, rs: RetryCallState, *, verb: str, resource: str, path: str) -> None:
+        exc = rs.outcome.exception() if rs.outcome is not None else None
+        API_RETRIES.labels(verb, resource, type(exc).__name__).inc()
+        log.info(
+            "kube api retry verb=%s path=%s attempt=%d sleep=%.3fs error=%r",
+            verb,
+            path,
+            rs.attempt_number,
+            rs.upcoming_sleep,
+            exc,
+        )
+
+    async def _throttle(self) -> None:
+        waited = await self._bucket.acquire()
+        if waited:
+            RATE_LIMIT_WAIT.observe(waited)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Query | None,
+        body: Any,
+        content_type: str,
+        client_timeout: aiohttp.ClientTimeout,
+    ) -> aiohttp.ClientResponse:
+        headers = {"Accept": _JSON, "Content-Type": content_type, **self.config.extra_headers}
+        # _preload_content=False: kubernetes_asyncio hands back the aiohttp response untouched
+        # (no status check, no model deserialization); we decode the JSON ourselves.
+        resp: aiohttp.ClientResponse = await self._api.call_api(
+            path,
+            method,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _request_timeout=client_timeout,
+        )
+        return resp
+
+    async def _attempt(
+        self,
+        method: str,
+        path: str,
+        *,
+        verb: str,
+        resource: str,
+        query: Query | None,
+        body: Any,
+        content_type: str,
+        attempt_timeout: float,
+    ) -> bytes:
+        await self._throttle()
+        timeout = attempt_timeout
+        code = "error"
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self._send(
+                    method,
+                    path,
+                    query=query,
+                    body=body,
+                    content_type=content_type,
+                    client_timeout=aiohttp.ClientTimeout(total=timeout),
+                )
+                try:
+                    data = await resp.read()
+                finally:
+                    resp.release()
+            code = str(resp.status)
+            if resp.status >= 400:
+                raise error_from_response(
+                    resp.status, data, retry_after_header=resp.headers.get("Retry-After")
+                )
+            return data
+        except KubeError:
+            raise
+        except TimeoutError as exc:
+            raise Transient(f"{verb} {path}: no response within {timeout:g}s", reason="Timeout") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Transient(f"{verb} {path}: {type(exc).__name__}: {exc}", reason="ConnectionError") from exc
+        finally:
+            API_REQUESTS.labels(verb, resource, code).inc()
+            API_LATENCY.labels(verb, resource).observe(time.perf_counter() - start)
+
+    async def _json(
+        self,
+        method: str,
+        path: str,
+        *,
+        verb: str,
+        resource: Resource,
+        query: Query | None = None,
+        body: Any = None,
+        content_type: str = _JSON,
+    ) -> Raw:
+        data = await self._request(
+            method,
+            path,
+            verb=verb,
+            resource=resource.plural,
+            query=query,
+            body=body,
+            content_type=content_type,
+        )
+        decoded = json.loads(data) if data else {}
+        if not isinstance(decoded, dict):
+            raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded).__name__}")
+        return decoded
+
+    # ---- reads ---------------------------------------------------------------------------------------
+
+    @overload
+    async def get(self, resource: Resource, name: str, *, namespace: str | None = None) -> Raw: ...
+    @overload
+    async def get(
+        self, resource: Resource, name: str, *, namespace: str | None = None, decode: Decoder[T]
+    ) -> T: ...
+    async def get(
+        self,
+        resource: Resource,
+        name: str,
+        *,
+        namespace: str | None = None,
+        decode: Callable[[Raw], Any] = _identity,
+    ) -> Any:
+        """GET one object; ``NotFound`` if it does not exist."""
+        path = resource.path(namespace=namespace, name=name)
+        return decode(await self._json("GET", path, verb="get", resource=resource))
+
+    @overload
+    async def list(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        resource_version: str | None = None,
+        resource_version_match: str | None = None,
+        limit: int | None = None,
+        continue_token: str | None = None,
+    ) -> ObjectList[Raw]: ...
+    @overload
+    async def list(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        resource_version: str | None = None,
+        resource_version_match: str | None = None,
+        limit: int | None = None,
+        continue_token: str | None = None,
+        decode: Decoder[T],
+    ) -> ObjectList[T]: ...
+    async def list(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        resource_version: str | None = None,
+        resource_version_match: str | None = None,
+        limit: int | None = None,
+        continue_token: str | None = None,
+        decode: Callable[[Raw], Any] = _identity,
+    ) -> ObjectList[Any]:
+        """One page of a list. An expired ``continue_token`` raises ``Gone``: start the list again."""
+        query = _list_query(
+            label_selector=label_selector,
+            field_selector=field_selector,
+            resource_version=resource_version,
+            resource_version_match=resource_version_match,
+            limit=limit,
+            continue_token=continue_token,
+        )
+        raw = await self._json(
+            "GET", resource.path(namespace=namespace), verb="list", resource=resource, query=query
+        )
+        meta = raw.get("metadata") or {}
+        items = raw.get("items") or []
+        return ObjectList(
+            items=[decode(i) for i in items],
+            resource_version=str(meta.get("resourceVersion") or ""),
+            continue_token=meta.get("continue") or None,
+        )
+
+    @overload
+    async def list_all(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        page_size: int = 500,
+    ) -> ObjectList[Raw]: ...
+    @overload
+    async def list_all(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        page_size: int = 500,
+        decode: Decoder[T],
+    ) -> ObjectList[T]: ...
+    async def list_all(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        page_size: int = 500,
+        decode: Callable[[Raw], Any] = _identity,
+    ) -> ObjectList[Any]:
+        """A consistent (quorum) list, paginated; the result carries the first page's resourceVersion."""
+        items: list[Any] = []
+        token: str | None = None
+        rv = ""
+        while True:
+            page = await self.list(
+                resource,
+                namespace=namespace,
+                label_selector=label_selector,
+                field_selector=field_selector,
+                limit=page_size,
+                continue_token=token,
+                decode=decode,
+            )
+            items.extend(page.items)
+            rv = rv or page.resource_version
+            token = page.continue_token
+            if not token:
+                return ObjectList(items=items, resource_version=rv)
+
+    # ---- writes --------------------------------------------------------------------------------------
+
+    def _write_query(self, *, dry_run: bool = False, field_manager: str | None = None) -> Query:
+        q: Query = [("fieldManager", field_manager or self.config.field_manager)]
+        if dry_run:
+            q.append(("dryRun", "All"))
+        return q
+
+    @overload
+    async def create(
+        self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None
+    ) -> Raw: ...
+    @overload
+    async def create(
+        self,
+        resource: Resource,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        decode: Decoder[T],
+    ) -> T: ...
+    async def create(
+        self,
+        resource: Resource,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        decode: Callable[[Raw], Any] = _identity,
+    ) -> Any:
+        """POST a new object; ``AlreadyExists`` if the name is taken (also after a retried lost response)."""
+        _, ns = _name_ns(resource, body, namespace)
+        path = resource.path(namespace=ns)
+        out = await self._json(
+            "POST", path, verb="create", resource=resource, query=self._write_query(), body=dict(body)
+        )
+        return decode(out)
+
+    @overload
+    async def replace(
+        self,
+        resource: Resource,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+    ) -> Raw: ...
+    @overload
+    async def replace(
+        self,
+        resource: Resource,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+        decode: Decoder[T],
+    ) -> T: ...
+    async def replace(
+        self,
+        resource: Resource,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+        decode: Callable[[Raw], Any] = _identity,
+    ) -> Any:
+        """PUT the whole object (or ``subresource``, e.g. ``status``).
+
+        Optimistic concurrency: the apiserver compares ``metadata.resourceVersion`` from ``body`` and raises
+        ``Conflict`` when it is stale. Always send the version you read.
+        """
+        name, ns = _name_ns(resource, body, namespace)
+        path = resource.path(namespace=ns, name=name, subresource=subresource)
+        out = await self._json(
+            "PUT", path, verb="update", resource=resource, query=self._write_query(), body=dict(body)
+        )
+        return decode(out)
+
+    async def replace_status(
+        self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None
+    ) -> Raw:
+        """PUT the ``status`` subresource (``Conflict`` on a stale resourceVersion)."""
+        return await self.replace(resource, body, namespace=namespace, subresource="status")
+
+    async def _patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Any,
+        *,
+        namespace: str | None,
+        subresource: str | None,
+        content_type: str,
+        query: Query,
+    ) -> Raw:
+        path = resource.path(namespace=namespace, name=name, subresource=subresource)
+        verb = "apply" if content_type == _APPLY_PATCH else "patch"
+        return await self._json(
+            "PATCH", path, verb=verb, resource=resource, query=query, body=patch, content_type=content_type
+        )
+
+    @overload
+    async def merge_patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+    ) -> Raw: ...
+    @overload
+    async def merge_patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+        decode: Decoder[T],
+    ) -> T: ...
+    async def merge_patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+        decode: Callable[[Raw], Any] = _identity,
+    ) -> Any:
+        """JSON merge patch (RFC 7386); a ``metadata.resourceVersion`` in the patch makes it conditional."""
+        out = await self._patch(
+            resource,
+            name,
+            dict(patch),
+            namespace=namespace,
+            subresource=subresource,
+            content_type=_MERGE_PATCH,
+            query=self._write_query(),
+        )
+        return decode(out)
+
+    @overload
+    async def json_patch(
+        self,
+        resource: Resource,
+        name: str,
+        ops: Sequence[Mapping[str, Any]],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+    ) -> Raw: ...
+    @overload
+    async def json_patch(
+        self,
+        resource: Resource,
+        name: str,
+        ops: Sequence[Mapping[str, Any]],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+        decode: Decoder[T],
+    ) -> T: ...
+    async def json_patch(
+        self,
+        resource: Resource,
+        name: str,
+        ops: Sequence[Mapping[str, Any]],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+        decode: Callable[[Raw], Any] = _identity,
+    ) -> Any:
+        """JSON patch (RFC 6902). A leading ``{"op": "test", "path": "/metadata/resourceVersion", ...}``
+        makes it conditional (a failed test is a 422 ``Invalid``, not a 409)."""
+        out = await self._patch(
+            resource,
+            name,
+            [dict(op) for op in ops],
+            namespace=namespace,
+            subresource=subresource,
+            content_type=_JSON_PATCH,
+            query=self._write_query(),
+        )
+        return decode(out)
+
+    @overload
+    async def apply(
+        self,
+        resource: Resource,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        field_manager: str | None = None,
+        force: bool = False,
+        subresource: str | None = None,
+    ) -> Raw: ...
+    @overload
+    async def apply(
+        self,
+        resource: Resource,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        field_manager: str | None = None,
+        force: bool = False,
+        subresource: str | None = None,
+        decode: Decoder[T],
+    ) -> T: ...
+    async def apply(
+        self,
+        resource: Resource,
+        body: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        field_manager: str | None = None,
+        force: bool = False,
+        subresource: str | None = None,
+        decode: Callable[[Raw], Any] = _identity,
+    ) -> Any:
+        """Server-side apply of ``body`` (must carry apiVersion, kind, metadata.name) as ``field_manager``.
+
+        A field owned by another manager raises ``Conflict`` unless ``force``.
+        """
+        name, ns = _name_ns(resource, body, namespace)
+        query = self._write_query(field_manager=field_manager)
+        if force:
+            query.append(("force", "true"))
+        out = await self._patch(
+            resource,
+            name,
+            dict(body),
+            namespace=ns,
+            subresource=subresource,
+            content_type=_APPLY_PATCH,
+            query=query,
+        )
+        return decode(out)
+
+    async def delete(
+        self,
+        resource: Resource,
+        name: str,
+        *,
+        namespace: str | None = None,
+        uid: str | None = None,
+        resource_version: str | None = None,
+        propagation_policy: str | None = None,
+        grace_period_seconds: int | None = None,
+    ) -> Raw:
+        """DELETE; ``uid``/``resource_version`` are preconditions (``Conflict`` when they do not match).
+
+        Returns the apiserver's answer: the object (still there with a deletionTimestamp while finalizers
+        hold it) or a Status. ``NotFound`` when already gone: callers that only want it gone ignore that.
+        """
+        options: Raw = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        preconditions: Raw = {}
+        if uid:
+            preconditions["uid"] = uid
+        if resource_version:
+            preconditions["resourceVersion"] = resource_version
+        if preconditions:
+            options["preconditions"] = preconditions
+        if propagation_policy:
+            options["propagationPolicy"] = propagation_policy
+        if grace_period_seconds is not None:
+            options["gracePeriodSeconds"] = grace_period_seconds
+        path = resource.path(namespace=namespace, name=name)
+        return await self._json("DELETE", path, verb="delete", resource=resource, body=options)
+
+    # ---- watch ---------------------------------------------------------------------------------------
+
+    async def watch(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        resource_version: str | None = None,
+        timeout_seconds: int | None = None,
+        allow_bookmarks: bool = True,
+        inactivity_timeout: float | None = None,
+    ) -> AsyncIterator[WatchEvent]:
+        """Stream watch events from ``resource_version``.
+
+        Ends normally when the server closes the stream (``timeout_seconds``). Raises ``Gone`` when the
+        version is too old (the caller must re-list), ``Transient`` when the connection breaks or nothing
+        (not even a bookmark) arrived for ``inactivity_timeout`` seconds, and other ``KubeError``s for
+        error responses. Watch events are not retried here: the informer owns reconnecting.
+        """
+        query = _list_query(
+            label_selector=label_selector,
+            field_selector=field_selector,
+            resource_version=resource_version,
+        )
+        query.insert(0, ("watch", "true"))
+        if allow_bookmarks:
+            query.append(("allowWatchBookmarks", "true"))
+        if timeout_seconds is not None:
+            query.append(("timeoutSeconds", str(timeout_seconds)))
+        idle = inactivity_timeout or self.config.watch_inactivity_timeout
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.config.timeout, sock_connect=self.config.timeout, sock_read=idle
+        )
+        path = resource.path(namespace=namespace)
+        await self._throttle()
+        code = "error"
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.config.timeout):
+                resp = await self._send(
+                    "GET", path, query=query, body=None, content_type=_JSON, client_timeout=timeout
+                )
+            code = str(resp.status)
+        except TimeoutError as exc:
+            raise Transient(f"watch {path}: no response within {self.config.timeout:g}s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Transient(f"watch {path}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            API_REQUESTS.labels("watch", resource.plural, code).inc()
+            API_LATENCY.labels("watch", resource.plural).observe(time.perf_counter() - start)
+
+        try:
+            if resp.status >= 400:
+                data = await resp.read()
+                raise error_from_response(
+                    resp.status, data, retry_after_header=resp.headers.get("Retry-After")
+                )
+            buf = bytearray()
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while (nl := buf.find(b"\n")) >= 0:
+                    line = bytes(buf[:nl])
+                    del buf[: nl + 1]
+                    if line.strip():
+                        yield _watch_event(line)
+            if buf.strip():
+                yield _watch_event(bytes(buf))
+        except TimeoutError as exc:
+            raise Transient(f"watch {path}: silent for {idle:g}s", reason="Timeout") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Transient(f"watch {path}: {type(exc).__name__}: {exc}", reason="ConnectionError") from exc
+        finally:
+            resp.close()
+
+
+def _watch_event(line: bytes) -> WatchEvent:
+    try:
+        decoded = json.loads(line)
+    except ValueError as exc:
+        raise Transient(f"watch: undecodable event {line[:200]!r}") from exc
+    etype = str(decoded.get("type") or "")
+    obj = decoded.get("object")
+    if not isinstance(obj, dict):
+        raise Transient(f"watch: event without object {line[:200]!r}")
+    if etype == "ERROR":
+        # A Status in-band: 410 Expired is the classic (resourceVersion compacted away).
+        raise error_from_status(obj)
+    return WatchEvent(type=etype, object=obj)

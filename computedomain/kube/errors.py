@@ -1,0 +1,234 @@
+"""The error taxonomy of the Kubernetes I/O layer.
+
+Callers outside ``computedomain.kube`` never see aiohttp or kubernetes_asyncio exceptions: every failed API
+call surfaces as one of the classes below, built from the apiserver's ``Status`` body so that the message a
+user reads is the apiserver's own (for a 422 it names the offending field, e.g.
+``spec.numNodes: Invalid value: -1: ...``).
+
+How the layers above react (the only places that retry are the client wrapper and the work queue):
+
+==================  ======================================  =========================================
+class               typical cause                           who reacts, how
+==================  ======================================  =========================================
+``NotFound``        404                                     caller: usually "nothing to do"
+``Conflict``        409 stale resourceVersion               caller: re-read from the cache, requeue
+``AlreadyExists``   409 on create (a ``Conflict``)          caller: adopt or re-read
+``Gone``            410 expired resourceVersion / continue  informer: re-list
+``TooManyRequests`` 429 (APF), ``retry_after`` seconds      client: retried after ``Retry-After``
+``Transient``       5xx, timeouts, connection errors        client: retried with jittered backoff
+``Permanent``       400, 401, 403, 405, 415, 422, ...       nobody retries at call level
+``Invalid``         422 (a ``Permanent``), ``causes``       caller: report the field, stop
+``Forbidden``       403 (a ``Permanent``)                   caller: report RBAC problem
+==================  ======================================  =========================================
+
+This module is pure (no I/O, no globals) and safe to use from any task.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "AlreadyExists",
+    "Cause",
+    "Conflict",
+    "Forbidden",
+    "Gone",
+    "Invalid",
+    "KubeError",
+    "NotFound",
+    "Permanent",
+    "TooManyRequests",
+    "Transient",
+    "error_from_response",
+    "error_from_status",
+    "parse_retry_after",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """One entry of ``Status.details.causes``: which field was wrong and why."""
+
+    field: str
+    reason: str
+    message: str
+
+
+class KubeError(Exception):
+    """Base of every error raised by the Kubernetes I/O layer.
+
+    ``status`` is the HTTP code (0 when no response arrived), ``reason`` the machine-readable
+    ``Status.reason`` (``NotFound``, ``Conflict``, ``Invalid``, ...), ``message`` the apiserver's text.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 0,
+        reason: str = "",
+        causes: tuple[Cause, ...] = (),
+        kind: str = "",
+        name: str = "",
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.reason = reason
+        self.causes = causes
+        self.kind = kind
+        self.name = name
+        self.retry_after = retry_after
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The field paths the apiserver blamed (``details.causes[].field``), in its order."""
+        return tuple(c.field for c in self.causes if c.field)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(status={self.status}, reason={self.reason!r}, message={self.message!r})"
+        )
+
+
+class NotFound(KubeError):  # noqa: N818 (the taxonomy's names are the API)
+    """The object (or the resource type) does not exist."""
+
+
+class Conflict(KubeError):  # noqa: N818 (the taxonomy's names are the API)
+    """Optimistic-concurrency failure: the resourceVersion or a precondition did not match."""
+
+
+class AlreadyExists(Conflict):
+    """A create found an object with that name."""
+
+
+class Gone(KubeError):  # noqa: N818 (the taxonomy's names are the API)
+    """The requested resourceVersion or continue token is too old; the caller must re-list."""
+
+
+class TooManyRequests(KubeError):  # noqa: N818 (the taxonomy's names are the API)
+    """Rejected by API Priority and Fairness (or a rate limit); ``retry_after`` says when to come back."""
+
+
+class Transient(KubeError):  # noqa: N818 (the taxonomy's names are the API)
+    """Worth retrying as is: server errors, timeouts, broken connections."""
+
+
+class Permanent(KubeError):  # noqa: N818 (the taxonomy's names are the API)
+    """Retrying the same request cannot help (bad request, forbidden, invalid object, ...)."""
+
+
+class Invalid(Permanent):
+    """422: the object failed validation; ``causes``/``fields`` name the offending fields."""
+
+
+class Forbidden(Permanent):
+    """403: RBAC (or an admission plugin) refused the request."""
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header; only the delta-seconds form is used by the apiserver."""
+    if not value:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return max(0.0, seconds)
+
+
+def _decode_status(body: bytes | str | Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if body is None:
+        return {}
+    if isinstance(body, Mapping):
+        return body
+    try:
+        decoded = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
+
+
+def _causes(details: Mapping[str, Any]) -> tuple[Cause, ...]:
+    raw = details.get("causes") or ()
+    out = []
+    for c in raw:
+        if isinstance(c, Mapping):
+            out.append(
+                Cause(
+                    field=str(c.get("field", "")),
+                    reason=str(c.get("reason", "")),
+                    message=str(c.get("message", "")),
+                )
+            )
+    return tuple(out)
+
+
+def error_from_status(
+    status: Mapping[str, Any],
+    *,
+    http_status: int | None = None,
+    retry_after: float | None = None,
+) -> KubeError:
+    """Map a decoded ``Status`` object (an error response or a watch ``ERROR`` event) to our taxonomy."""
+    code = http_status if http_status is not None else int(status.get("code") or 0)
+    reason = str(status.get("reason") or "")
+    message = str(status.get("message") or "") or f"HTTP {code} {reason}".strip()
+    details = status.get("details")
+    details = details if isinstance(details, Mapping) else {}
+    if retry_after is None and details.get("retryAfterSeconds"):
+        retry_after = float(details["retryAfterSeconds"])
+    kwargs: dict[str, Any] = {
+        "status": code,
+        "reason": reason,
+        "causes": _causes(details),
+        "kind": str(details.get("kind") or ""),
+        "name": str(details.get("name") or ""),
+        "retry_after": retry_after,
+    }
+    cls: type[KubeError]
+    if code == 404:
+        cls = NotFound
+    elif code == 409:
+        cls = AlreadyExists if reason == "AlreadyExists" else Conflict
+    elif code == 410 or reason in ("Expired", "Gone"):
+        cls = Gone
+    elif code == 429:
+        cls = TooManyRequests
+    elif code == 422:
+        cls = Invalid
+    elif code == 403:
+        cls = Forbidden
+    elif code >= 500 or code == 0 or reason in ("Timeout", "ServerTimeout", "InternalError"):
+        # 500s include etcd leader changes and apiserver restarts; 504 is a server-side timeout.
+        # 501 (NotImplemented) is the one 5xx that will not heal by itself.
+        cls = Permanent if code == 501 else Transient
+    else:
+        cls = Permanent
+    return cls(message, **kwargs)
+
+
+def error_from_response(
+    http_status: int,
+    body: bytes | str | Mapping[str, Any] | None,
+    *,
+    retry_after_header: str | None = None,
+) -> KubeError:
+    """Map an HTTP error response (status code, raw body, ``Retry-After`` header) to our taxonomy."""
+    status = _decode_status(body)
+    if not status and body:
+        # Not a Status object (e.g. a proxy's HTML page): keep the text so the user sees something.
+        text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
+        status = {"message": f"HTTP {http_status}: {text[:500]}"}
+    return error_from_status(
+        status, http_status=http_status, retry_after=parse_retry_after(retry_after_header)
+    )

@@ -1,0 +1,87 @@
+"""Rate limiting primitives shared by the API client and the work queue.
+
+``TokenBucket`` is a reservation-style bucket (as golang.org/x/time/rate's ``Reserve``): ``reserve()``
+always succeeds and returns how long the caller must wait, so a burst of callers is spread out in arrival
+order instead of all polling. ``ItemBackoff`` is the per-key exponential backoff with jitter that the work
+queue applies to failing keys.
+
+Concurrency: both are plain objects mutated only from the event loop thread; ``reserve()`` and
+``when()`` are synchronous, so no two coroutines can interleave inside them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+from computedomain.kube.clock import Clock, MonotonicClock
+
+__all__ = ["ItemBackoff", "TokenBucket"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+class TokenBucket:
+    """``rate`` tokens per second, at most ``burst`` saved up. A rate <= 0 disables limiting."""
+
+    def __init__(self, rate: float, burst: int, *, clock: Clock | None = None) -> None:
+        self.rate = rate
+        self.burst = max(1, burst)
+        self._clock: Clock = clock or MonotonicClock()
+        self._tokens = float(self.burst)
+        self._last: float | None = None
+
+    def reserve(self) -> float:
+        """Take one token; return the seconds to wait before using it (0 when one was available)."""
+        if self.rate <= 0:
+            return 0.0
+        now = self._clock.now()
+        if self._last is not None:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        self._tokens -= 1.0
+        if self._tokens >= 0:
+            return 0.0
+        return -self._tokens / self.rate
+
+    async def acquire(self) -> float:
+        """Wait for a token; return how long we waited."""
+        delay = self.reserve()
+        if delay > 0:
+            await self._clock.sleep(delay)
+        return delay
+
+
+class ItemBackoff(Generic[K]):
+    """Per-key exponential backoff: ``base * 2**failures`` capped at ``cap``, times (1 + jitter*U[0,1))."""
+
+    def __init__(
+        self,
+        *,
+        base: float = 0.005,
+        cap: float = 1000.0,
+        jitter: float = 0.1,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.base = base
+        self.cap = cap
+        self.jitter = jitter
+        # Injected for deterministic tests; the default is a private, unseeded generator.
+        self._rng = rng or random.Random()
+        self._failures: dict[K, int] = {}
+
+    def when(self, key: K) -> float:
+        """Record one more failure of ``key`` and return its delay."""
+        n = self._failures.get(key, 0)
+        self._failures[key] = n + 1
+        delay = self.cap if n >= 64 else min(self.cap, self.base * (2**n))
+        if self.jitter > 0:
+            delay *= 1.0 + self.jitter * self._rng.random()
+        return delay
+
+    def failures(self, key: K) -> int:
+        return self._failures.get(key, 0)
+
+    def forget(self, key: K) -> None:
+        self._failures.pop(key, None)
