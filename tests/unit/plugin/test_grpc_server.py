@@ -1,0 +1,262 @@
+"""The plugin's gRPC surface over real unix sockets, driven by the kubelet stand-in, with a fake Preparer."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from computedomain.plugin.grpc_server import (
+    SUPPORTED_VERSIONS,
+    PluginServer,
+    SocketPathError,
+    SocketPaths,
+)
+from computedomain.plugin.preparer import (
+    ClaimRef,
+    ClaimUid,
+    PreparedDevice,
+    PrepareResult,
+    UnprepareResult,
+)
+from computedomain.plugin.proto import dra_v1_pb2, dra_v1_pb2_grpc
+from tests.testbed.kubelet_client import V1, V1BETA1, KubeletClient, RegistrationRejectedError
+
+DRIVER = "compute-domain.nvidia.com"
+
+
+class FakePreparer:
+    """Records calls; answers from a table; a UID in `unfinished` is left out of the result."""
+
+    def __init__(self) -> None:
+        self.prepared: list[list[ClaimRef]] = []
+        self.unprepared: list[list[ClaimRef]] = []
+        self.unfinished: set[str] = set()
+        self.failing: dict[str, str] = {}
+        self.raise_on_prepare: Exception | None = None
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, PrepareResult]:
+        self.prepared.append(list(claims))
+        if self.raise_on_prepare is not None:
+            raise self.raise_on_prepare
+        out: dict[ClaimUid, PrepareResult] = {}
+        for c in claims:
+            if c.uid in self.unfinished:
+                continue
+            if c.uid in self.failing:
+                out[c.uid] = PrepareResult(error=self.failing[c.uid])
+                continue
+            out[c.uid] = PrepareResult(
+                devices=(
+                    PreparedDevice(
+                        request_names=("channel/sub",),
+                        pool_name="node-a",
+                        device_name="channel-0",
+                        cdi_device_ids=(f"k8s.compute-domain.nvidia.com/claim={c.uid}-channel-0",),
+                        share_id="share-1",
+                    ),
+                )
+            )
+        return out
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, UnprepareResult]:
+        self.unprepared.append(list(claims))
+        return {
+            c.uid: UnprepareResult(error=self.failing.get(c.uid, "")) for c in claims if c.uid not in self.unfinished
+        }
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    path = Path(tempfile.mkdtemp(prefix="cdp", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def paths(short_dir: Path) -> SocketPaths:
+    return SocketPaths.for_driver(short_dir / "registry", short_dir / "plugins", DRIVER)
+
+
+@pytest.fixture
+def preparer() -> FakePreparer:
+    return FakePreparer()
+
+
+@pytest.fixture
+async def server(preparer: FakePreparer, paths: SocketPaths) -> AsyncIterator[PluginServer]:
+    srv = PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1")
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop(grace_s=0)
+
+
+CLAIM_A = ClaimRef("ns1", "claim-a", ClaimUid("11111111-1111-1111-1111-111111111111"))
+CLAIM_B = ClaimRef("ns2", "claim-b", ClaimUid("22222222-2222-2222-2222-222222222222"))
+
+
+def test_socket_layout_is_the_kubelets(short_dir: Path) -> None:
+    p = SocketPaths.for_driver(short_dir / "reg", short_dir / "plug", DRIVER)
+    assert p.registration == short_dir / "reg" / "compute-domain.nvidia.com-reg.sock"
+    assert p.dra == short_dir / "plug" / "compute-domain.nvidia.com" / "dra.sock"
+
+
+async def test_registration_handshake(server: PluginServer, paths: SocketPaths) -> None:
+    assert stat.S_ISSOCK(paths.registration.stat().st_mode)
+    assert stat.S_ISSOCK(paths.dra.stat().st_mode)
+    async with KubeletClient(paths.registration) as kubelet:
+        assert kubelet.info is not None
+        assert kubelet.info.type == "DRAPlugin"
+        assert kubelet.info.name == DRIVER
+        assert kubelet.info.endpoint == str(paths.dra)
+        assert kubelet.info.supported_versions == SUPPORTED_VERSIONS == (V1, V1BETA1)
+        assert kubelet.version == V1
+    assert server.registration_status is not None
+    assert server.registration_status.registered
+    assert server.registered.is_set()
+
+
+@pytest.mark.parametrize("version", [V1, V1BETA1])
+async def test_prepare_unprepare_round_trip(
+    server: PluginServer, paths: SocketPaths, preparer: FakePreparer, version: str
+) -> None:
+    async with KubeletClient(paths.registration, only_version=version) as kubelet:
+        assert kubelet.version == version
+        results = await kubelet.prepare([CLAIM_A, CLAIM_B, CLAIM_A])
+        # Duplicates are collapsed before the Preparer sees them; identity fields arrive intact.
+        assert preparer.prepared == [[CLAIM_A, CLAIM_B]]
+        assert set(results) == {CLAIM_A.uid, CLAIM_B.uid}
+        device = results[CLAIM_A.uid].devices[0]
+        assert results[CLAIM_A.uid].error == ""
+        assert device.request_names == ("channel",)  # subrequest stripped
+        assert device.pool_name == "node-a"
+        assert device.device_name == "channel-0"
+        assert device.cdi_device_ids == (f"k8s.compute-domain.nvidia.com/claim={CLAIM_A.uid}-channel-0",)
+        assert device.share_id == ("share-1" if version == V1 else None)
+
+        unprepared = await kubelet.unprepare([CLAIM_B])
+        assert preparer.unprepared == [[CLAIM_B]]
+        assert unprepared == {CLAIM_B.uid: UnprepareResult()}
+
+
+async def test_errors_and_unfinished_claims(server: PluginServer, paths: SocketPaths, preparer: FakePreparer) -> None:
+    preparer.failing[CLAIM_A.uid] = "permanent: unknown field 'foo'"
+    preparer.unfinished.add(CLAIM_B.uid)
+    async with KubeletClient(paths.registration) as kubelet:
+        results = await kubelet.prepare([CLAIM_A, CLAIM_B])
+        assert results == {CLAIM_A.uid: PrepareResult(error="permanent: unknown field 'foo'")}
+        assert await kubelet.unprepare([CLAIM_B]) == {}
+
+
+async def test_preparer_exception_is_an_rpc_error(
+    server: PluginServer, paths: SocketPaths, preparer: FakePreparer
+) -> None:
+    preparer.raise_on_prepare = RuntimeError("boom")
+    async with KubeletClient(paths.registration) as kubelet:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kubelet.prepare([CLAIM_A])
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "boom" in (err.value.details() or "")
+
+
+async def test_empty_request_does_not_reach_preparer(
+    server: PluginServer, paths: SocketPaths, preparer: FakePreparer
+) -> None:
+    async with KubeletClient(paths.registration) as kubelet:
+        assert await kubelet.prepare([]) == {}
+    assert preparer.prepared == []
+
+
+async def test_rejected_registration_is_recorded_and_logged(
+    server: PluginServer, paths: SocketPaths, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR)
+    with pytest.raises(RegistrationRejectedError, match="plugin name"):
+        await KubeletClient(paths.registration, driver_name="gpu.nvidia.com").register()
+    assert server.registration_status is not None
+    assert not server.registration_status.registered
+    assert "plugin name" in server.registration_status.error
+    assert not server.registered.is_set()
+    assert any("REJECTED" in r.getMessage() for r in caplog.records)
+
+
+async def test_stale_sockets_removed_on_start_and_stop(preparer: FakePreparer, paths: SocketPaths) -> None:
+    for path in (paths.registration, paths.dra):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("left over by a crashed run")
+    srv = PluginServer(preparer, paths, health_port=None)
+    await srv.start()
+    try:
+        assert stat.S_ISSOCK(paths.registration.stat().st_mode)
+        assert stat.S_ISSOCK(paths.dra.stat().st_mode)
+        async with KubeletClient(paths.registration) as kubelet:
+            assert CLAIM_A.uid in await kubelet.prepare([CLAIM_A])
+    finally:
+        await srv.stop(grace_s=0)
+    assert not paths.registration.exists()
+    assert not paths.dra.exists()
+
+
+async def test_directory_at_socket_path_is_refused(preparer: FakePreparer, paths: SocketPaths) -> None:
+    paths.dra.mkdir(parents=True)
+    srv = PluginServer(preparer, paths, health_port=None)
+    with pytest.raises(SocketPathError, match="is a directory"):
+        await srv.start()
+    assert not paths.registration.exists()
+
+
+def test_too_long_socket_path_is_refused(preparer: FakePreparer) -> None:
+    deep = Path("/tmp") / ("x" * 120)
+    with pytest.raises(SocketPathError, match="longer than 107 bytes"):
+        PluginServer(preparer, SocketPaths.for_driver(deep, deep), health_port=None)
+
+
+async def _health(port: int, service: str) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+    return int(reply.status)
+
+
+@pytest.mark.parametrize("service", ["liveness", ""])
+async def test_health_serving(server: PluginServer, service: str) -> None:
+    assert server.health_port
+    assert await _health(server.health_port, service) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_health_unknown_service(server: PluginServer) -> None:
+    assert server.health_port
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _health(server.health_port, "readiness")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("which", ["registration", "dra"])
+async def test_health_not_serving_when_a_socket_is_gone(
+    server: PluginServer, paths: SocketPaths, preparer: FakePreparer, which: str
+) -> None:
+    assert server.health_port
+    # Someone wiped the kubelet's plugin directory: the servers still run but nobody can reach them.
+    getattr(paths, which).unlink()
+    assert await _health(server.health_port, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert preparer.prepared == []
+
+
+async def test_health_self_check_uses_dra_socket(server: PluginServer, paths: SocketPaths) -> None:
+    # The check must go over the socket by path: a plain v1 client sees the same service it does.
+    async with grpc.aio.insecure_channel(f"unix:{paths.dra}") as channel:
+        reply = await dra_v1_pb2_grpc.DRAPluginStub(channel).NodePrepareResources(
+            dra_v1_pb2.NodePrepareResourcesRequest(), timeout=10
+        )
+    assert len(reply.claims) == 0
+    assert await server.self_check() is None
