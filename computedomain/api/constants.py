@@ -1,0 +1,31 @@
+"""Names shared with the reference driver and its Helm chart. Users' YAML and dashboards rely on them:
+change none of them (SPEC section 2)."""
+
+from typing import Final
+
+DRIVER_NAME: Final = "compute-domain.nvidia.com"
+
+API_GROUP: Final = "resource.nvidia.com"
+API_VERSION: Final = "v1beta1"
+GROUP_VERSION: Final = f"{API_GROUP}/{API_VERSION}"
+
+# The same string is the CD label key (value: CD UID) and the finalizer.
+COMPUTE_DOMAIN_LABEL: Final = "resource.nvidia.com/computeDomain"
+COMPUTE_DOMAIN_FINALIZER: Final = COMPUTE_DOMAIN_LABEL
+CLIQUE_LABEL: Final = "resource.nvidia.com/computeDomain.cliqueID"
+TEMPLATE_TARGET_LABEL: Final = "resource.nvidia.com/computeDomainTarget"
+TEMPLATE_TARGET_DAEMON: Final = "Daemon"
+TEMPLATE_TARGET_WORKLOAD: Final = "Workload"
+
+CHANNEL_DEVICE_CLASS: Final = "compute-domain-default-channel.nvidia.com"
+DAEMON_DEVICE_CLASS: Final = "compute-domain-daemon.nvidia.com"
+
+DAEMON_TEMPLATE_PREFIX: Final = "computedomain-daemon-"
+
+GPU_CLIQUE_NODE_LABEL: Final = "nvidia.com/gpu.clique"
+
+IMEX_PEER_PORT: Final = 50000
+IMEX_COMMAND_PORT: Final = 50005
+MAX_NODES_PER_IMEX_DOMAIN: Final = 18
+HEALTH_PORT: Final = 51515
+DEFAULT_HOST_SOCKET_PATH: Final = "/etc/nvidia-imex/imex_ctrl.sock"

@@ -1,0 +1,390 @@
+"""Process settings: one typed, frozen object per process, read from the environment and flags.
+
+Every process (controller, node agent, IMEX daemon) builds its settings once at start through
+`load_settings`. Flags win over environment variables, which win over defaults; names follow the
+reference driver (`FEATURE_GATES`, `IMEX_MODE`, ...), so the upstream chart's env keeps working.
+
+Validation is the SPEC section 3 rule set, checked in a fixed order so the first problem an operator
+sees is the most fundamental one. A violation raises `SettingsError` whose message is one line that
+names the setting and the fix; `main` turns it into a non-zero exit. The Helm chart renders the same
+messages (`manifests/`), so `helm template` and the binaries agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Any, Final, TypeVar
+
+from computedomain.api.constants import DEFAULT_HOST_SOCKET_PATH, HEALTH_PORT, MAX_NODES_PER_IMEX_DOMAIN
+
+
+class SettingsError(ValueError):
+    """An invalid setting. The message is one line naming the setting and the fix."""
+
+
+# --- Feature gates -------------------------------------------------------------------------------------
+
+
+class FeatureGate(StrEnum):
+    IMEX_DAEMONS_WITH_DNS_NAMES = "IMEXDaemonsWithDNSNames"
+    COMPUTE_DOMAIN_CLIQUES = "ComputeDomainCliques"
+    CRASH_ON_NVLINK_FABRIC_ERRORS = "CrashOnNVLinkFabricErrors"
+    HOST_MANAGED_IMEX_DAEMON = "HostManagedIMEXDaemon"
+
+
+class Stage(StrEnum):
+    ALPHA = "alpha"
+    BETA = "beta"
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    stage: Stage
+    default: bool
+
+
+GATES: Final[Mapping[FeatureGate, GateSpec]] = {
+    FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES: GateSpec(Stage.BETA, True),
+    FeatureGate.COMPUTE_DOMAIN_CLIQUES: GateSpec(Stage.BETA, True),
+    FeatureGate.CRASH_ON_NVLINK_FABRIC_ERRORS: GateSpec(Stage.BETA, True),
+    FeatureGate.HOST_MANAGED_IMEX_DAEMON: GateSpec(Stage.ALPHA, False),
+}
+
+# Gates of the reference driver's GPU plugin. The shared chart renders one FEATURE_GATES string for all
+# components, so these are accepted and ignored here; anything else is a typo and is rejected.
+FOREIGN_GATES: Final = frozenset(
+    {
+        "TimeSlicingSettings",
+        "MPSSupport",
+        "PassthroughSupport",
+        "DynamicMIG",
+        "NVMLDeviceHealthCheck",
+        "DeviceMetadata",
+        "FabricManagerPartitioning",
+        "DRAListTypeAttributes",
+        "ConsumableShares",
+        "AllAlpha",
+        "AllBeta",
+        "ContextualLogging",
+        "LoggingAlphaOptions",
+        "LoggingBetaOptions",
+    }
+)
+
+
+@dataclass(frozen=True)
+class FeatureGates:
+    explicit: Mapping[FeatureGate, bool] = field(default_factory=dict)
+
+    def enabled(self, gate: FeatureGate) -> bool:
+        return self.explicit.get(gate, GATES[gate].default)
+
+    def with_overrides(self, overrides: Mapping[FeatureGate, bool]) -> FeatureGates:
+        return FeatureGates({**self.explicit, **overrides})
+
+    def render(self) -> str:
+        """The effective value of every gate, in FEATURE_GATES syntax (handed to the daemons)."""
+        return ",".join(f"{gate.value}={str(self.enabled(gate)).lower()}" for gate in FeatureGate)
+
+    @classmethod
+    def parse(cls, text: str) -> FeatureGates:
+        """Parse `A=true,B=false,` (empty items, e.g. a trailing comma, are ignored)."""
+        explicit: dict[FeatureGate, bool] = {}
+        for raw in text.split(","):
+            item = raw.strip()
+            if not item:
+                continue
+            name, sep, value = item.partition("=")
+            name, value = name.strip(), value.strip().lower()
+            if not sep or value not in ("true", "false"):
+                raise SettingsError(f"FEATURE_GATES: item {item!r} must look like Name=true or Name=false")
+            if name in FOREIGN_GATES:
+                continue
+            try:
+                gate = FeatureGate(name)
+            except ValueError:
+                known = ", ".join(g.value for g in FeatureGate)
+                raise SettingsError(f"FEATURE_GATES: unknown gate {name!r}; known gates: {known}") from None
+            explicit[gate] = value == "true"
+        return cls(explicit)
+
+
+# --- IMEX ----------------------------------------------------------------------------------------------
+
+
+class ImexMode(StrEnum):
+    DRIVER_MANAGED = "driverManaged"
+    HOST_MANAGED = "hostManaged"
+
+
+class ImexIsolation(StrEnum):
+    DOMAIN = "domain"
+    CHANNEL = "channel"
+
+
+def validate_host_socket_path(path: str) -> str:
+    """SPEC section 3 rule 7 (the reference does not check this)."""
+    if not path.startswith("/") or ".." in path.split("/") or posixpath.normpath(path) != path:
+        raise SettingsError(
+            f"IMEX_HOST_SOCKET_PATH {path!r} must be an absolute, normalised path without '..' "
+            f"(relative to the driver root), e.g. {DEFAULT_HOST_SOCKET_PATH}"
+        )
+    return path
+
+
+# --- Settings objects ----------------------------------------------------------------------------------
+
+
+def _opt(env: str, help: str, **extra: Any) -> Any:
+    """Declare a setting: its env var, help text and defaults. The flag is derived from the env name."""
+    default = extra.pop("default", None)
+    factory = extra.pop("default_factory", None)
+    meta = {"env": env, "help": help, **extra}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class CommonSettings:
+    feature_gates_text: str = _opt("FEATURE_GATES", "Feature gates, e.g. 'A=true,B=false'", default="")
+    imex_mode_text: str = _opt("IMEX_MODE", "driverManaged or hostManaged", default="driverManaged")
+    imex_isolation_text: str = _opt("IMEX_ISOLATION", "domain (channel: not implemented)", default="domain")
+    imex_host_socket_path: str = _opt(
+        "IMEX_HOST_SOCKET_PATH",
+        "host IMEX command socket, relative to the driver root",
+        default=DEFAULT_HOST_SOCKET_PATH,
+    )
+    namespace: str = _opt("NAMESPACE", "the driver namespace", default="default")
+    kubeconfig: str = _opt("KUBECONFIG", "kubeconfig path; empty means in-cluster", default="")
+    kube_api_qps: float = _opt("KUBE_API_QPS", "client-side request rate limit", default=20.0)
+    kube_api_burst: int = _opt("KUBE_API_BURST", "client-side burst", default=40)
+    log_level: str = _opt("LOG_LEVEL", "debug, info, warning or error", default="info")
+    log_format: str = _opt("LOG_FORMAT", "text or json", default="text")
+
+    # Derived in __post_init__; never read from the environment.
+    feature_gates: FeatureGates = field(default_factory=FeatureGates, metadata={"derived": True})
+    imex_mode: ImexMode = field(default=ImexMode.DRIVER_MANAGED, metadata={"derived": True})
+    imex_isolation: ImexIsolation = field(default=ImexIsolation.DOMAIN, metadata={"derived": True})
+
+    def __post_init__(self) -> None:
+        gates = FeatureGates.parse(self.feature_gates_text)
+        mode = _validate_imex(gates, self.imex_mode_text, self.imex_isolation_text)
+        if mode is ImexMode.HOST_MANAGED:
+            # No daemons exist in this mode, so the DNS-name and clique gates mean nothing; force them off
+            # so no code path can act on their Beta defaults.
+            gates = gates.with_overrides(
+                {FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES: False, FeatureGate.COMPUTE_DOMAIN_CLIQUES: False}
+            )
+        elif gates.enabled(FeatureGate.COMPUTE_DOMAIN_CLIQUES) and not gates.enabled(
+            FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES
+        ):
+            raise SettingsError(
+                "FEATURE_GATES: ComputeDomainCliques=true requires IMEXDaemonsWithDNSNames=true; "
+                "enable IMEXDaemonsWithDNSNames or set ComputeDomainCliques=false"
+            )
+        validate_host_socket_path(self.imex_host_socket_path)
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise SettingsError(f"LOG_LEVEL {self.log_level!r}: use debug, info, warning or error")
+        if self.log_format not in ("text", "json"):
+            raise SettingsError(f"LOG_FORMAT {self.log_format!r}: use text or json")
+        object.__setattr__(self, "feature_gates", gates)
+        object.__setattr__(self, "imex_mode", mode)
+        object.__setattr__(self, "imex_isolation", ImexIsolation(self.imex_isolation_text))
+
+    @property
+    def host_managed(self) -> bool:
+        return self.imex_mode is ImexMode.HOST_MANAGED
+
+    def gate(self, gate: FeatureGate) -> bool:
+        return self.feature_gates.enabled(gate)
+
+
+def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> ImexMode:
+    """SPEC section 3 rules 1-4, in order: the mode (and its gate) before the isolation."""
+    try:
+        mode = ImexMode(mode_text)
+    except ValueError:
+        raise SettingsError(f"IMEX_MODE {mode_text!r} is unknown; use driverManaged or hostManaged") from None
+    if mode is ImexMode.HOST_MANAGED and not gates.enabled(FeatureGate.HOST_MANAGED_IMEX_DAEMON):
+        raise SettingsError(
+            "IMEX_MODE=hostManaged requires the feature gate HostManagedIMEXDaemon=true (FEATURE_GATES)"
+        )
+    if isolation_text == ImexIsolation.CHANNEL:
+        raise SettingsError("IMEX_ISOLATION=channel is not implemented yet; use domain")
+    if isolation_text != ImexIsolation.DOMAIN:
+        raise SettingsError(f"IMEX_ISOLATION {isolation_text!r} is unknown; use domain")
+    return mode
+
+
+@dataclass(frozen=True)
+class ControllerSettings(CommonSettings):
+    pod_name: str = _opt("POD_NAME", "this pod's name (leader election identity)", default="")
+    image_name: str = _opt("IMAGE_NAME", "image of the IMEX daemon pods", default="")
+    daemon_image_pull_secrets: str = _opt(
+        "CD_DAEMON_IMAGE_PULL_SECRET_NAMES", "pull secrets of the daemon pods, comma separated", default=""
+    )
+    daemon_log_level: str = _opt("LOG_LEVEL_CD_DAEMON", "log level handed to the daemons", default="info")
+    max_nodes_per_imex_domain: int = _opt(
+        "MAX_NODES_PER_IMEX_DOMAIN", "DNS slots per clique", default=MAX_NODES_PER_IMEX_DOMAIN
+    )
+    http_endpoint: str = _opt("HTTP_ENDPOINT", "host:port for /metrics, /healthz, /readyz", default="")
+    metrics_path: str = _opt("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
+    additional_namespaces: str = _opt(
+        "ADDITIONAL_NAMESPACES", "more namespaces the daemons may run in, comma separated", default=""
+    )
+    leader_election_enabled: bool = _opt("LEADER_ELECTION_ENABLED", "use a Lease to elect one writer", default=False)
+    leader_election_namespace: str = _opt(
+        "LEADER_ELECTION_LEASE_LOCK_NAMESPACE", "namespace of the Lease", default="default"
+    )
+    leader_election_name: str = _opt(
+        "LEADER_ELECTION_LEASE_LOCK_NAME", "name of the Lease", default="nvidia-compute-domain-controller"
+    )
+    leader_election_lease_duration: float = _opt("LEADER_ELECTION_LEASE_DURATION", "seconds", default=15.0)
+    leader_election_renew_deadline: float = _opt("LEADER_ELECTION_RENEW_DEADLINE", "seconds", default=10.0)
+    leader_election_retry_period: float = _opt("LEADER_ELECTION_RETRY_PERIOD", "seconds", default=2.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_nodes_per_imex_domain < 1:
+            raise SettingsError("MAX_NODES_PER_IMEX_DOMAIN must be at least 1 (GB200/GB300 NVL72: 18)")
+        if self.leader_election_enabled and not (
+            self.leader_election_lease_duration
+            > self.leader_election_renew_deadline
+            > self.leader_election_retry_period
+            > 0
+        ):
+            raise SettingsError(
+                "LEADER_ELECTION_*: need lease duration > renew deadline > retry period > 0 (defaults 15/10/2)"
+            )
+        if self.leader_election_enabled and not self.pod_name:
+            raise SettingsError("POD_NAME is required with LEADER_ELECTION_ENABLED=true (set it from the downward API)")
+
+    @property
+    def managed_namespaces(self) -> tuple[str, ...]:
+        extra = [ns.strip() for ns in self.additional_namespaces.split(",") if ns.strip()]
+        return tuple(dict.fromkeys([self.namespace, *extra]))
+
+    @property
+    def pull_secrets(self) -> tuple[str, ...]:
+        return tuple(s for s in self.daemon_image_pull_secrets.replace(",", " ").split() if s)
+
+
+@dataclass(frozen=True)
+class PluginSettings(CommonSettings):
+    node_name: str = _opt("NODE_NAME", "this node's name", default="")
+    kubelet_registrar_dir: str = _opt(
+        "KUBELET_REGISTRAR_DIRECTORY_PATH", "kubelet plugin registry dir", default="/var/lib/kubelet/plugins_registry"
+    )
+    kubelet_plugins_dir: str = _opt(
+        "KUBELET_PLUGINS_DIRECTORY_PATH", "kubelet plugins dir", default="/var/lib/kubelet/plugins"
+    )
+    cdi_root: str = _opt("CDI_ROOT", "where CDI specs are written", default="/var/run/cdi")
+    driver_root: str = _opt("NVIDIA_DRIVER_ROOT", "root of the NVIDIA driver installation", default="/")
+    proc_root: str = _opt("PROC_ROOT", "where /proc of the host is visible", default="/proc")
+    health_port: int = _opt("HEALTHCHECK_PORT", "gRPC health port (negative disables)", default=HEALTH_PORT)
+    gpu_clique_label_enabled: bool = _opt(
+        "GPU_CLIQUE_LABEL_ENABLED", "maintain the nvidia.com/gpu.clique node label", default=False
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.node_name:
+            raise SettingsError("NODE_NAME is required (set it from the downward API: spec.nodeName)")
+        for env, value in (("CDI_ROOT", self.cdi_root), ("NVIDIA_DRIVER_ROOT", self.driver_root)):
+            if not value.startswith("/"):
+                raise SettingsError(f"{env} {value!r} must be an absolute path")
+
+
+S = TypeVar("S", bound=CommonSettings)
+
+_TRUE: Final = ("1", "true", "yes", "on")
+_FALSE: Final = ("0", "false", "no", "off", "")
+
+
+def _convert(env: str, kind: Any, raw: str) -> Any:
+    if kind in (bool, "bool"):
+        if raw.strip().lower() in _TRUE:
+            return True
+        if raw.strip().lower() in _FALSE:
+            return False
+        raise SettingsError(f"{env} {raw!r} must be true or false")
+    if kind in (int, "int"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise SettingsError(f"{env} {raw!r} must be an integer") from None
+    if kind in (float, "float"):
+        try:
+            return float(raw.removesuffix("s"))
+        except ValueError:
+            raise SettingsError(f"{env} {raw!r} must be a number of seconds") from None
+    return raw
+
+
+def flag_name(env: str) -> str:
+    return "--" + env.lower().replace("_", "-")
+
+
+def load_settings(cls: type[S], argv: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> S:
+    """Build `cls` from flags (`--imex-mode hostManaged`) over env vars (`IMEX_MODE`) over defaults."""
+    environ = os.environ if environ is None else environ
+    options = [f for f in fields(cls) if "env" in f.metadata]
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
+    for option in options:
+        parser.add_argument(flag_name(option.metadata["env"]), dest=option.name, default=None)
+    try:
+        parsed, unknown = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        raise SettingsError(str(exc)) from None
+    if unknown:
+        raise SettingsError(f"unknown flag {unknown[0]!r}; flags mirror the env vars, e.g. --imex-mode")
+    values: dict[str, Any] = {}
+    for option in options:
+        env = option.metadata["env"]
+        raw = getattr(parsed, option.name)
+        if raw is None:
+            raw = environ.get(env)
+        if raw is not None:
+            values[option.name] = _convert(env, option.type, raw)
+    return cls(**values)
+
+
+def describe(settings: CommonSettings) -> dict[str, Any]:
+    """The effective settings, for the startup log line and `check-settings`."""
+    out: dict[str, Any] = {}
+    for option in fields(settings):
+        if "env" in option.metadata:
+            out[option.metadata["env"]] = getattr(settings, option.name)
+    out["FEATURE_GATES"] = settings.feature_gates.render()
+    return out
+
+
+def help_text(cls: type[CommonSettings]) -> str:
+    lines = []
+    for option in fields(cls):
+        if "env" in option.metadata:
+            env = option.metadata["env"]
+            lines.append(f"  {flag_name(env):42} {env:38} {option.metadata['help']}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "GATES",
+    "CommonSettings",
+    "ControllerSettings",
+    "FeatureGate",
+    "FeatureGates",
+    "ImexIsolation",
+    "ImexMode",
+    "PluginSettings",
+    "SettingsError",
+    "describe",
+    "load_settings",
+    "validate_host_socket_path",
+]

@@ -1,0 +1,98 @@
+"""Shared fixtures.
+
+Tiers (markers): unit tests need nothing; `cluster` tests get the real local control plane (started once
+per session, or reused when `make cluster-up` already runs one); `gpu` tests need a real NVIDIA GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.testbed.cluster import LocalCluster, running_cluster
+from tests.testbed.nodes import gb200_node
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Cluster:
+    """What cluster tests get: the kubeconfig, kubectl, and JSON helpers on top of it."""
+
+    def __init__(self, local: LocalCluster) -> None:
+        self.local = local
+        self.kubeconfig = local.kubeconfig
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> str:
+        result = self.local.kubectl(*args, check=False, input=input)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+        return result.stdout
+
+    def try_kubectl(self, *args: str, input: str | None = None) -> tuple[int, str]:
+        """(exit code, stdout+stderr) without raising: for tests of rejected requests."""
+        result = self.local.kubectl(*args, check=False, input=input)
+        return result.returncode, result.stdout + result.stderr
+
+    def apply(self, obj: dict[str, Any] | list[dict[str, Any]], namespace: str | None = None) -> str:
+        items = obj if isinstance(obj, list) else [obj]
+        body = json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+        args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
+        return self.kubectl(*args, input=body)
+
+    def create(self, obj: dict[str, Any], namespace: str | None = None) -> tuple[int, str]:
+        args = ["create", "-f", "-", "-o", "json"] + (["-n", namespace] if namespace else [])
+        return self.try_kubectl(*args, input=json.dumps(obj))
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any]:
+        args = ["get", kind, name, "-o", "json"] + (["-n", namespace] if namespace else [])
+        result: dict[str, Any] = json.loads(self.kubectl(*args))
+        return result
+
+
+def _install_base(cluster: Cluster) -> None:
+    """CRDs and DeviceClasses: what every cluster test of this service needs installed."""
+    cluster.kubectl("apply", "-f", str(REPO / "manifests" / "crds"), "-f", str(REPO / "manifests" / "deviceclasses"))
+    crds = [f"crd/{plural}.resource.nvidia.com" for plural in ("computedomains", "computedomaincliques")]
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    with running_cluster() as local:
+        wrapped = Cluster(local)
+        _install_base(wrapped)
+        yield wrapped
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A fresh namespace per test, with its default ServiceAccount (pods need it); deleted afterwards."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("wait", "--for=create", "--timeout=60s", "serviceaccount/default", "-n", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+MakeNode = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture
+def make_node(cluster: Cluster) -> Iterator[MakeNode]:
+    """Create simulated GB200 nodes (kwok-managed); all are deleted after the test."""
+    created: list[str] = []
+
+    def make(name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        node = gb200_node(name or f"gb-{uuid.uuid4().hex[:8]}", **kwargs)
+        cluster.apply(node)
+        created.append(node["metadata"]["name"])
+        return node
+
+    yield make
+    if created:
+        cluster.kubectl("delete", "node", *created, "--wait=false", check=False)

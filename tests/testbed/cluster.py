@@ -1,0 +1,408 @@
+"""The local Kubernetes control plane of the test bed: real etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok, built from the Go module proxy by `testbin/build.sh`, all on 127.0.0.1.
+
+    python -m tests.testbed.cluster up      start (or reuse) the cluster under .cluster/
+    python -m tests.testbed.cluster down    stop it
+    python -m tests.testbed.cluster status  say whether it runs
+
+What `up` lays out under `.cluster/`:
+  pki/          a CA, the apiserver's serving certificate, client certificates per component, the
+                service-account signing key (openssl; RBAC is on, so identities matter)
+  kubeconfig    the admin kubeconfig (system:masters); one kubeconfig per component beside it
+  bin/          links to kubectl and helm
+  logs/         one log per component
+  state.json    ports and process ids, so `down` and the next `up` find the processes
+
+kwok manages only nodes annotated `kwok.x-k8s.io/node=fake`: it keeps them Ready through node leases and
+moves pods bound to them to Running, and lets deleted pods go. Processes run in their own sessions, so a
+cluster started by `make cluster-up` outlives the command and is reused by later test runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_ROOT = REPO / ".cluster"
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+START_TIMEOUT = 180.0
+
+
+def log(message: str) -> None:
+    print(f"[cluster {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def build_binaries() -> Path:
+    """Build what is missing (idempotent, cached by version) and return the bin directory."""
+    out = subprocess.run([str(REPO / "testbin" / "build.sh")], check=True, stdout=subprocess.PIPE, text=True).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(pki: Path) -> None:
+    """A CA, the apiserver serving cert and one client cert per identity. Idempotent."""
+    if (pki / "done").exists():
+        return
+    pki.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
+             "-subj", "/CN=computedomain-testbed-ca", cwd=pki)  # fmt: skip
+    leaves = {
+        "apiserver": ("/CN=kube-apiserver", "serverAuth",
+                      "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+                      "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:10.96.0.1"),
+        "admin": ("/O=system:masters/CN=testbed-admin", "clientAuth", ""),
+        "controller-manager": ("/CN=system:kube-controller-manager", "clientAuth", ""),
+        "scheduler": ("/CN=system:kube-scheduler", "clientAuth", ""),
+        "kwok": ("/O=system:masters/CN=kwok-controller", "clientAuth", ""),
+        "apiserver-kubelet-client": ("/O=system:masters/CN=kube-apiserver-kubelet-client", "clientAuth", ""),
+    }  # fmt: skip
+    for name, (subject, usage, san) in leaves.items():
+        ext = pki / f"{name}.ext"
+        ext.write_text(f"extendedKeyUsage={usage}\nkeyUsage=digitalSignature,keyEncipherment\n{san}\n")
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=pki)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.crt", "-days", "3650", "-extfile", ext.name, cwd=pki)  # fmt: skip
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    (pki / "done").write_text("ok\n")
+
+
+def write_kubeconfig(path: Path, server: str, pki: Path, user: str) -> None:
+    def data(name: str) -> str:
+        return base64.b64encode((pki / name).read_bytes()).decode()
+
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "testbed", "cluster": {"server": server, "certificate-authority-data": data("ca.crt")}}],
+        "users": [{"name": user, "user": {"client-certificate-data": data(f"{user}.crt"),
+                                          "client-key-data": data(f"{user}.key")}}],
+        "contexts": [{"name": "testbed", "context": {"cluster": "testbed", "user": user}}],
+        "current-context": "testbed",
+    }  # fmt: skip
+    path.write_text(json.dumps(config, indent=2))
+    path.chmod(0o600)
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    health_url: str | None
+
+
+class LocalCluster:
+    def __init__(self, root: Path = DEFAULT_ROOT) -> None:
+        self.root = root
+        self.pki = root / "pki"
+        self.logs = root / "logs"
+        self.state_file = root / "state.json"
+        self.kubeconfig = root / "kubeconfig"
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any] | None:
+        try:
+            state: dict[str, Any] = json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return state
+
+    @property
+    def server(self) -> str:
+        state = self.state()
+        if state is None:
+            raise RuntimeError("the cluster is not running; run `make cluster-up`")
+        return f"https://127.0.0.1:{state['ports']['apiserver']}"
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return ctx
+
+    def _get(self, url: str, timeout: float = 2.0) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(url, context=self._ssl_context(), timeout=timeout) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
+        except (OSError, ssl.SSLError) as exc:
+            return 0, str(exc)
+
+    def healthy(self) -> bool:
+        state = self.state()
+        if state is None or not all(_alive(pid) for pid in state["pids"].values()):
+            return False
+        return self._get(f"{self.server}/readyz")[0] == 200
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    def up(self) -> bool:
+        """Start the cluster unless a healthy one runs. Returns True when this call started it."""
+        if self.healthy():
+            log(f"reusing the running cluster ({self.server})")
+            return False
+        self.down(quiet=True)
+        start = time.monotonic()
+        bin_dir = build_binaries()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        make_pki(self.pki)
+        ports = {name: free_port() for name in
+                 ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok")}  # fmt: skip
+        server = f"https://127.0.0.1:{ports['apiserver']}"
+        for user in ("admin", "controller-manager", "scheduler", "kwok"):
+            target = self.kubeconfig if user == "admin" else self.root / f"{user}.kubeconfig"
+            write_kubeconfig(target, server, self.pki, user)
+        self._link_tools(bin_dir)
+        kwok_config = self.root / "kwok.yaml"
+        kwok_config.write_text(
+            "apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions:\n  enableCRDs: []\n"
+        )
+        pids: dict[str, int] = {}
+        self.state_file.write_text(json.dumps({"ports": ports, "pids": pids, "bin": str(bin_dir)}))
+        try:
+            for component in self._components(bin_dir, ports):
+                pids[component.name] = self._spawn(component)
+                self.state_file.write_text(json.dumps({"ports": ports, "pids": pids, "bin": str(bin_dir)}))
+                if component.health_url:
+                    self._wait_healthy(component)
+            self._wait_ready()
+        except BaseException:
+            self.down(quiet=True)
+            raise
+        log(f"cluster up in {time.monotonic() - start:.1f}s: {server}")
+        return True
+
+    def _components(self, bin_dir: Path, ports: dict[str, int]) -> list[Component]:
+        pki, root = self.pki, self.root
+        etcd_url = f"http://127.0.0.1:{ports['etcd']}"
+        peer_url = f"http://127.0.0.1:{ports['etcd_peer']}"
+        return [
+            Component("etcd", [
+                str(bin_dir / "etcd"), "--name=testbed", f"--data-dir={root / 'etcd'}",
+                f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=testbed={peer_url}", "--unsafe-no-fsync",
+                "--quota-backend-bytes=4294967296", "--log-level=warn",
+            ], None),
+            Component("kube-apiserver", [
+                str(bin_dir / "kube-apiserver"), f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={ports['apiserver']}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true", "--enable-priority-and-fairness=false",
+                "--v=1",
+            ], f"https://127.0.0.1:{ports['apiserver']}/readyz"),
+            Component("kube-controller-manager", [
+                str(bin_dir / "kube-controller-manager"),
+                f"--kubeconfig={root / 'controller-manager.kubeconfig'}",
+                f"--authentication-kubeconfig={root / 'controller-manager.kubeconfig'}",
+                f"--authorization-kubeconfig={root / 'controller-manager.kubeconfig'}",
+                "--bind-address=127.0.0.1", f"--secure-port={ports['controller_manager']}",
+                "--leader-elect=false", "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
+                f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
+                "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
+                "--concurrent-daemonset-syncs=5", "--kube-api-qps=200", "--kube-api-burst=400", "--v=1",
+            ], f"https://127.0.0.1:{ports['controller_manager']}/healthz"),
+            Component("kube-scheduler", [
+                str(bin_dir / "kube-scheduler"), f"--kubeconfig={root / 'scheduler.kubeconfig'}",
+                f"--authentication-kubeconfig={root / 'scheduler.kubeconfig'}",
+                f"--authorization-kubeconfig={root / 'scheduler.kubeconfig'}",
+                "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}", "--leader-elect=false",
+                "--v=1",
+            ], f"https://127.0.0.1:{ports['scheduler']}/healthz"),
+            Component("kwok", [
+                str(bin_dir / "kwok"), f"--kubeconfig={root / 'kwok.kubeconfig'}", f"--config={root / 'kwok.yaml'}",
+                "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                "--cidr=10.244.0.1/16", "--node-ip=10.0.0.1",
+                f"--server-address=127.0.0.1:{ports['kwok']}",
+            ], f"http://127.0.0.1:{ports['kwok']}/healthz"),
+        ]  # fmt: skip
+
+    def _spawn(self, component: Component) -> int:
+        logfile = (self.logs / f"{component.name}.log").open("ab")
+        proc = subprocess.Popen(
+            component.argv,
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.root,
+        )
+        log(f"started {component.name} (pid {proc.pid})")
+        return proc.pid
+
+    def _wait_healthy(self, component: Component) -> None:
+        assert component.health_url
+        deadline = time.monotonic() + START_TIMEOUT
+        status, body = 0, ""
+        while time.monotonic() < deadline:
+            state = self.state() or {}
+            pid = state.get("pids", {}).get(component.name)
+            if pid is None or not _alive(pid):
+                raise RuntimeError(f"{component.name} exited during start; see {self.logs / component.name}.log:\n"
+                                   + self.log_tail(component.name))  # fmt: skip
+            status, body = self._get(component.health_url)
+            if status == 200:
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"{component.name} not healthy after {START_TIMEOUT:.0f}s ({status}: {body[:300]})")
+
+    def _wait_ready(self) -> None:
+        """The default ServiceAccount exists once the controller-manager works; pods need it."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self._get(f"{self.server}/api/v1/namespaces/default/serviceaccounts/default")[0] == 200:
+                return
+            time.sleep(0.25)
+        raise RuntimeError("the controller-manager created no default ServiceAccount in time")
+
+    def _link_tools(self, bin_dir: Path) -> None:
+        links = self.root / "bin"
+        links.mkdir(exist_ok=True)
+        for tool in ("kubectl", "helm"):
+            link = links / tool
+            link.unlink(missing_ok=True)
+            link.symlink_to(bin_dir / tool)
+
+    def down(self, quiet: bool = False) -> None:
+        state = self.state()
+        if state is None:
+            if not quiet:
+                log("no cluster state; nothing to stop")
+            return
+        # Reverse start order, so nothing reconnects to a stopped apiserver for long.
+        for name, pid in reversed(list(state["pids"].items())):
+            _terminate(pid)
+            if not quiet:
+                log(f"stopped {name}")
+        self.state_file.unlink(missing_ok=True)
+        shutil.rmtree(self.root / "etcd", ignore_errors=True)
+
+    def log_tail(self, component: str, lines: int = 30) -> str:
+        try:
+            text = (self.logs / f"{component}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def memory_mib(self) -> dict[str, float]:
+        """Resident memory per component, from /proc."""
+        out: dict[str, float] = {}
+        for name, pid in (self.state() or {"pids": {}})["pids"].items():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        out[name] = int(line.split()[1]) / 1024
+        return out
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.root / "bin" / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            input=input,
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes.
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+    return True
+
+
+def _terminate(pid: int, grace: float = 10.0) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_cluster(root: Path = DEFAULT_ROOT) -> Iterator[LocalCluster]:
+    """A running cluster for the duration of the block; stopped afterwards only if this block started it."""
+    cluster = LocalCluster(root)
+    started = cluster.up()
+    try:
+        yield cluster
+    finally:
+        if started:
+            cluster.down()
+
+
+def main(argv: list[str]) -> int:
+    cluster = LocalCluster()
+    command = argv[0] if argv else "status"
+    if command == "up":
+        cluster.up()
+        bin_dir = cluster.root / "bin"
+        print(
+            f"\nThe cluster runs at {cluster.server}.\nUse it with:\n"
+            f"  export KUBECONFIG={cluster.kubeconfig.relative_to(REPO)} PATH=$PWD/{bin_dir.relative_to(REPO)}:$PATH\n"
+            "  kubectl get nodes,computedomains -A\n"
+            "Stop it with `make cluster-down`."
+        )
+        return 0
+    if command == "down":
+        cluster.down()
+        return 0
+    if command == "status":
+        healthy = cluster.healthy()
+        print("running" if healthy else "not running")
+        if healthy:
+            for name, mib in cluster.memory_mib().items():
+                print(f"  {name:26} {mib:7.1f} MiB")
+        return 0 if healthy else 1
+    print(f"usage: python -m tests.testbed.cluster up|down|status (got {command!r})", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

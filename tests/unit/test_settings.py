@@ -1,0 +1,157 @@
+"""Every startup rule of SPEC section 3 and every gate dependency, table-driven, through the same entry
+point the processes use (env and flags), plus the CLI's exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from computedomain.settings import (
+    ControllerSettings,
+    FeatureGate,
+    FeatureGates,
+    ImexMode,
+    PluginSettings,
+    SettingsError,
+    load_settings,
+)
+
+OK = None
+NODE = {"NODE_NAME": "gb-1"}
+
+
+@pytest.mark.parametrize(
+    ("env", "error"),
+    [
+        # defaults are valid
+        ({}, OK),
+        # rule 1: unknown mode (the empty string too)
+        ({"IMEX_MODE": "selfManaged"}, "IMEX_MODE 'selfManaged' is unknown; use driverManaged or hostManaged"),
+        ({"IMEX_MODE": ""}, "IMEX_MODE '' is unknown"),
+        # rule 2: hostManaged needs its gate, and the mode is checked before the isolation
+        ({"IMEX_MODE": "hostManaged"}, "requires the feature gate HostManagedIMEXDaemon=true"),
+        ({"IMEX_MODE": "hostManaged", "IMEX_ISOLATION": "channel"}, "HostManagedIMEXDaemon=true"),
+        ({"IMEX_MODE": "hostManaged", "FEATURE_GATES": "HostManagedIMEXDaemon=true"}, OK),
+        # rule 3 and 4: isolation
+        ({"IMEX_ISOLATION": "channel"}, "IMEX_ISOLATION=channel is not implemented yet; use domain"),
+        ({"IMEX_ISOLATION": "node"}, "IMEX_ISOLATION 'node' is unknown; use domain"),
+        # rule 5: cliques require DNS names (driverManaged) ...
+        (
+            {"FEATURE_GATES": "IMEXDaemonsWithDNSNames=false"},
+            "ComputeDomainCliques=true requires IMEXDaemonsWithDNSNames",
+        ),
+        ({"FEATURE_GATES": "IMEXDaemonsWithDNSNames=false,ComputeDomainCliques=false"}, OK),
+        # ... and are irrelevant in hostManaged mode
+        ({"IMEX_MODE": "hostManaged", "FEATURE_GATES": "HostManagedIMEXDaemon=true,IMEXDaemonsWithDNSNames=false"}, OK),
+        # rule 7: the host socket path
+        ({"IMEX_HOST_SOCKET_PATH": "run/imex.sock"}, "IMEX_HOST_SOCKET_PATH 'run/imex.sock' must be an absolute"),
+        ({"IMEX_HOST_SOCKET_PATH": "/etc/../run/imex.sock"}, "without '..'"),
+        ({"IMEX_HOST_SOCKET_PATH": "/etc//nvidia-imex/x.sock"}, "normalised"),
+        ({"IMEX_HOST_SOCKET_PATH": "/etc/nvidia-imex/"}, "normalised"),
+        ({"IMEX_HOST_SOCKET_PATH": "/run/imex/ctl.sock"}, OK),
+        # gate syntax
+        ({"FEATURE_GATES": "HostManagedIMEXDaemon=true,"}, OK),
+        ({"FEATURE_GATES": "HostManagedIMEXDaemon"}, "must look like Name=true"),
+        ({"FEATURE_GATES": "HostManagedIMEXDaemon=yes"}, "must look like Name=true"),
+        ({"FEATURE_GATES": "ImexDaemonsWithDnsNames=true"}, "unknown gate 'ImexDaemonsWithDnsNames'"),
+        ({"FEATURE_GATES": "MPSSupport=true,TimeSlicingSettings=false"}, OK),
+    ],
+)
+@pytest.mark.parametrize("cls", [ControllerSettings, PluginSettings])
+def test_startup_rules(cls: type[ControllerSettings | PluginSettings], env: dict[str, str], error: str | None) -> None:
+    environ = {**NODE, **env}
+    if error is None:
+        load_settings(cls, environ=environ)
+        return
+    with pytest.raises(SettingsError) as excinfo:
+        load_settings(cls, environ=environ)
+    assert error in str(excinfo.value)
+    assert "\n" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "gate", "expected"),
+    [
+        ("", FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES, True),
+        ("", FeatureGate.COMPUTE_DOMAIN_CLIQUES, True),
+        ("", FeatureGate.CRASH_ON_NVLINK_FABRIC_ERRORS, True),
+        ("", FeatureGate.HOST_MANAGED_IMEX_DAEMON, False),
+        ("CrashOnNVLinkFabricErrors=false", FeatureGate.CRASH_ON_NVLINK_FABRIC_ERRORS, False),
+        (" HostManagedIMEXDaemon = TRUE ,", FeatureGate.HOST_MANAGED_IMEX_DAEMON, True),
+    ],
+)
+def test_gate_defaults_and_parsing(text: str, gate: FeatureGate, expected: bool) -> None:
+    assert FeatureGates.parse(text).enabled(gate) is expected
+
+
+def test_host_managed_forces_daemon_gates_off() -> None:
+    settings = load_settings(
+        ControllerSettings, environ={"IMEX_MODE": "hostManaged", "FEATURE_GATES": "HostManagedIMEXDaemon=true"}
+    )
+    assert settings.imex_mode is ImexMode.HOST_MANAGED
+    assert not settings.gate(FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES)
+    assert not settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES)
+
+
+def test_flags_override_env() -> None:
+    settings = load_settings(
+        ControllerSettings,
+        ["--imex-mode", "hostManaged", "--feature-gates=HostManagedIMEXDaemon=true"],
+        environ={"IMEX_MODE": "driverManaged"},
+    )
+    assert settings.host_managed
+
+
+@pytest.mark.parametrize(
+    ("cls", "env", "error"),
+    [
+        (PluginSettings, {}, "NODE_NAME is required"),
+        (PluginSettings, {**NODE, "CDI_ROOT": "cdi"}, "CDI_ROOT 'cdi' must be an absolute path"),
+        (PluginSettings, {**NODE, "HEALTHCHECK_PORT": "x"}, "HEALTHCHECK_PORT 'x' must be an integer"),
+        (PluginSettings, {**NODE, "GPU_CLIQUE_LABEL_ENABLED": "maybe"}, "must be true or false"),
+        (ControllerSettings, {"MAX_NODES_PER_IMEX_DOMAIN": "0"}, "MAX_NODES_PER_IMEX_DOMAIN must be at least 1"),
+        (ControllerSettings, {"LEADER_ELECTION_ENABLED": "true"}, "POD_NAME is required"),
+        (
+            ControllerSettings,
+            {"LEADER_ELECTION_ENABLED": "true", "POD_NAME": "p", "LEADER_ELECTION_RENEW_DEADLINE": "20s"},
+            "lease duration > renew deadline > retry period",
+        ),
+        (ControllerSettings, {"LOG_LEVEL": "chatty"}, "LOG_LEVEL 'chatty'"),
+    ],
+)
+def test_process_specific_rules(
+    cls: type[ControllerSettings | PluginSettings], env: dict[str, str], error: str
+) -> None:
+    with pytest.raises(SettingsError, match=error):
+        load_settings(cls, environ=env)
+
+
+def test_controller_namespaces_and_pull_secrets() -> None:
+    settings = load_settings(
+        ControllerSettings,
+        environ={
+            "NAMESPACE": "nvidia",
+            "ADDITIONAL_NAMESPACES": " a, ,b,nvidia",
+            "CD_DAEMON_IMAGE_PULL_SECRET_NAMES": "x, y z",
+        },
+    )
+    assert settings.managed_namespaces == ("nvidia", "a", "b")
+    assert settings.pull_secrets == ("x", "y", "z")
+
+
+def test_unknown_flag_is_an_error() -> None:
+    with pytest.raises(SettingsError, match="unknown flag '--imex-mod'"):
+        load_settings(ControllerSettings, ["--imex-mod", "x"], environ={})
+
+
+def test_cli_exits_non_zero_with_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "computedomain", "check-settings", "controller"],
+        env={"IMEX_ISOLATION": "channel", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert result.stderr == "error: IMEX_ISOLATION=channel is not implemented yet; use domain\n"
