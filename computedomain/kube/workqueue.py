@@ -1,0 +1,370 @@
+"""A keyed work queue and the workers that drain it (the client-go workqueue semantics, for asyncio).
+
+What it owns:
+
+* ``WorkQueue[K]``: a set of keys that need reconciling.
+
+  - **Dedupe**: adding a key that is already waiting is a no-op; a burst of events for one object becomes one
+    reconcile.
+  - **One at a time per key**: a key handed out by ``get()`` is "processing" until ``done(key)``. Adding it
+    meanwhile marks it dirty, and ``done`` puts it back, so the change is seen by exactly one more run and
+    never by two concurrent runs.
+  - **Delays**: ``add_after(key, s)`` (requeue-after; the earliest pending time wins) and
+    ``add_rate_limited(key)`` (failure backoff: per-key exponential ``base * 2**n`` with jitter, capped,
+    combined with a global token bucket so that many failing keys cannot retry in a storm). ``forget(key)``
+    resets a key's backoff after a success.
+  - ``shutdown()``: ``get()`` raises ``QueueShutDown`` from then on; items still queued are dropped (the next
+    process re-lists and re-enqueues everything anyway).
+
+* ``run_workers(queue, reconcile, workers=N)``: N tasks calling ``reconcile(key)``; the result decides what
+  happens to the key (controller-runtime's contract): ``None``/``DONE`` -> forget; ``RequeueAfter(s)`` ->
+  forget, then ``add_after(s)``; ``PermanentError`` -> forget and log, no retry; any other exception ->
+  ``add_rate_limited`` (``TooManyRequests`` waits at least its ``Retry-After``).
+
+* Metrics per queue name: depth, adds, queue latency (add -> get), work duration (get -> done), retries,
+  and reconcile results/latency.
+
+Concurrency: everything runs on one event loop. The queue's methods except ``get`` are synchronous, so
+handlers (informer callbacks) can enqueue without awaiting. ``get`` waits on an ``asyncio.Event`` that every
+state change sets, or until the earliest delayed key is due, measured by the injectable ``Clock``. Parallelism
+between different keys is bounded by the number of workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeAlias, TypeVar
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from computedomain.kube.clock import Clock, MonotonicClock
+from computedomain.kube.errors import KubeError, TooManyRequests
+from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
+
+__all__ = [
+    "DONE",
+    "Done",
+    "PermanentError",
+    "QueueShutDown",
+    "ReconcileResult",
+    "RequeueAfter",
+    "WorkQueue",
+    "run_workers",
+]
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+
+_DURATION_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
+
+QUEUE_DEPTH = Gauge("computedomain_workqueue_depth", "Keys ready to be processed.", ["name"])
+QUEUE_ADDS = Counter("computedomain_workqueue_adds_total", "Keys added (after dedupe).", ["name"])
+QUEUE_LATENCY = Histogram(
+    "computedomain_workqueue_queue_duration_seconds",
+    "Time a key waited between being ready and being handed to a worker.",
+    ["name"],
+    buckets=_DURATION_BUCKETS,
+)
+WORK_DURATION = Histogram(
+    "computedomain_workqueue_work_duration_seconds",
+    "Time a worker spent on a key.",
+    ["name"],
+    buckets=_DURATION_BUCKETS,
+)
+QUEUE_RETRIES = Counter("computedomain_workqueue_retries_total", "Rate-limited re-adds (failures).", ["name"])
+RECONCILE_TOTAL = Counter(
+    "computedomain_reconcile_total",
+    "Reconcile calls by result (success, requeue_after, error, permanent_error).",
+    ["name", "result"],
+)
+RECONCILE_TIME = Histogram(
+    "computedomain_reconcile_time_seconds",
+    "Reconcile latency by result.",
+    ["name", "result"],
+    buckets=_DURATION_BUCKETS,
+)
+
+
+class QueueShutDown(Exception):  # noqa: N818 (mirrors asyncio.QueueShutDown)
+    """Raised by ``WorkQueue.get`` once the queue is shut down."""
+
+
+class PermanentError(Exception):
+    """Raised by a reconcile to say "retrying cannot help": logged and counted, never retried.
+
+    The key is processed again only when something adds it again (an informer event).
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Reconcile finished; nothing to do until the next event."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequeueAfter:
+    """Reconcile finished but wants to look again after ``seconds`` (not a failure: no backoff growth)."""
+
+    seconds: float
+
+
+DONE = Done()
+ReconcileResult: TypeAlias = Done | RequeueAfter | None
+
+
+class WorkQueue(Generic[K]):
+    """Keyed, deduplicating, delaying, rate-limited work queue. See the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        clock: Clock | None = None,
+        backoff: ItemBackoff[K] | None = None,
+        bucket: TokenBucket | None = None,
+    ) -> None:
+        self.name = name
+        self._clock: Clock = clock or MonotonicClock()
+        # 5 ms doubling to 5 min: the client-go shape, with a lower cap so a user who fixed the cause
+        # does not wait 16 minutes for the next attempt.
+        self._backoff: ItemBackoff[K] = backoff or ItemBackoff(base=0.005, cap=300.0, jitter=0.1)
+        # Global bucket on failure re-adds only (client-go's default controller limiter: 10/s, burst 100).
+        self._bucket = bucket or TokenBucket(10.0, 100, clock=self._clock)
+        self._queue: deque[K] = deque()
+        self._dirty: set[K] = set()
+        self._processing: dict[K, float] = {}
+        self._ready_since: dict[K, float] = {}
+        self._waiting: dict[K, float] = {}
+        self._heap: list[tuple[float, int, K]] = []
+        self._seq = itertools.count()
+        self._changed = asyncio.Event()
+        self._shutting_down = False
+        self._depth = QUEUE_DEPTH.labels(name)
+        self._adds = QUEUE_ADDS.labels(name)
+        self._latency = QUEUE_LATENCY.labels(name)
+        self._work = WORK_DURATION.labels(name)
+        self._retries = QUEUE_RETRIES.labels(name)
+
+    # ---- producers ----------------------------------------------------------------------------------
+
+    def add(self, key: K) -> None:
+        """Mark ``key`` as needing work now. No-op if already queued; deferred if being processed."""
+        if self._shutting_down or key in self._dirty:
+            return
+        self._dirty.add(key)
+        self._adds.inc()
+        if key in self._processing:
+            return  # done() re-queues it
+        self._push(key)
+
+    def add_after(self, key: K, delay: float) -> None:
+        """Add ``key`` after ``delay`` seconds; if it is already scheduled, the earlier time wins."""
+        if self._shutting_down:
+            return
+        if delay <= 0:
+            self.add(key)
+            return
+        due = self._clock.now() + delay
+        current = self._waiting.get(key)
+        if current is not None and current <= due:
+            return
+        self._waiting[key] = due
+        heapq.heappush(self._heap, (due, next(self._seq), key))
+        self._changed.set()
+
+    def add_rate_limited(self, key: K, *, at_least: float = 0.0) -> float:
+        """Re-add a failed ``key`` after its backoff (and the global bucket); return the delay chosen."""
+        delay = max(self._backoff.when(key), self._bucket.reserve(), at_least)
+        self._retries.inc()
+        self.add_after(key, delay)
+        return delay
+
+    def forget(self, key: K) -> None:
+        """Reset ``key``'s failure backoff (call after a success)."""
+        self._backoff.forget(key)
+
+    def num_requeues(self, key: K) -> int:
+        return self._backoff.failures(key)
+
+    # ---- consumers ----------------------------------------------------------------------------------
+
+    async def get(self) -> K:
+        """Wait for the next ready key and mark it processing. Raises ``QueueShutDown``."""
+        while True:
+            if self._shutting_down:
+                raise QueueShutDown(self.name)
+            self._promote_due()
+            if self._queue:
+                key = self._queue.popleft()
+                self._dirty.discard(key)
+                now = self._clock.now()
+                self._processing[key] = now
+                self._latency.observe(max(0.0, now - self._ready_since.pop(key, now)))
+                self._depth.set(len(self._queue))
+                return key
+            self._changed.clear()
+            await self._wait(self._next_due())
+
+    def done(self, key: K) -> None:
+        """Finish processing ``key``; if it was added meanwhile, queue it again."""
+        started = self._processing.pop(key, None)
+        if started is not None:
+            self._work.observe(max(0.0, self._clock.now() - started))
+        if key in self._dirty and not self._shutting_down:
+            self._push(key)
+
+    def shutdown(self) -> None:
+        """Stop handing out keys: every ``get`` (current and future) raises ``QueueShutDown``."""
+        self._shutting_down = True
+        self._queue.clear()
+        self._depth.set(0)
+        self._changed.set()
+
+    # ---- introspection ------------------------------------------------------------------------------
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down
+
+    def __len__(self) -> int:
+        """Keys ready now (what ``depth`` reports), including delayed keys that have come due."""
+        self._promote_due()
+        return len(self._queue)
+
+    @property
+    def processing(self) -> frozenset[K]:
+        return frozenset(self._processing)
+
+    @property
+    def waiting(self) -> dict[K, float]:
+        """Delayed keys and the monotonic time at which each becomes ready."""
+        return dict(self._waiting)
+
+    def is_idle(self) -> bool:
+        return not self._queue and not self._processing and not self._waiting
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _push(self, key: K) -> None:
+        self._queue.append(key)
+        self._ready_since.setdefault(key, self._clock.now())
+        self._depth.set(len(self._queue))
+        self._changed.set()
+
+    def _next_due(self) -> float | None:
+        while self._heap:
+            due, _, key = self._heap[0]
+            if self._waiting.get(key) != due:  # superseded by an earlier add_after
+                heapq.heappop(self._heap)
+                continue
+            return max(0.0, due - self._clock.now())
+        return None
+
+    def _promote_due(self) -> None:
+        now = self._clock.now()
+        while self._heap and self._heap[0][0] <= now:
+            due, _, key = heapq.heappop(self._heap)
+            if self._waiting.get(key) == due:
+                del self._waiting[key]
+                self.add(key)
+
+    async def _wait(self, max_delay: float | None) -> None:
+        if max_delay is None:
+            await self._changed.wait()
+            return
+        changed = asyncio.ensure_future(self._changed.wait())
+        slept = asyncio.ensure_future(self._clock.sleep(max_delay))
+        try:
+            await asyncio.wait({changed, slept}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (changed, slept):
+                if not t.done():
+                    t.cancel()
+
+
+Reconciler: TypeAlias = Callable[[K], Awaitable[ReconcileResult]]
+
+
+async def run_workers(
+    queue: WorkQueue[K],
+    reconcile: Callable[[K], Awaitable[ReconcileResult]],
+    *,
+    workers: int = 4,
+    reconcile_timeout: float | None = None,
+) -> None:
+    """Run ``workers`` tasks that feed ``queue``'s keys to ``reconcile`` until the queue shuts down.
+
+    Cancelling ``run_workers`` cancels in-flight reconciles (their keys are marked done). A reconcile that
+    exceeds ``reconcile_timeout`` is cancelled and treated as a failure (backoff).
+    """
+    async with asyncio.TaskGroup() as tg:
+        for i in range(max(1, workers)):
+            tg.create_task(_worker(queue, reconcile, reconcile_timeout), name=f"{queue.name}-worker-{i}")
+
+
+async def _worker(
+    queue: WorkQueue[K],
+    reconcile: Callable[[K], Awaitable[ReconcileResult]],
+    reconcile_timeout: float | None,
+) -> None:
+    clock = queue.clock
+    while True:
+        try:
+            key = await queue.get()
+        except QueueShutDown:
+            return
+        start = clock.now()
+        result_label = "cancelled"  # unless one of the branches below says otherwise
+        try:
+            async with asyncio.timeout(reconcile_timeout):
+                result = await reconcile(key)
+        except PermanentError as exc:
+            result_label = "permanent_error"
+            queue.forget(key)
+            log.error("reconcile failed permanently queue=%s key=%s error=%s", queue.name, key, exc)
+        except Exception as exc:
+            result_label = "error"
+            at_least = (exc.retry_after or 0.0) if isinstance(exc, TooManyRequests) else 0.0
+            delay = queue.add_rate_limited(key, at_least=at_least)
+            attempt = queue.num_requeues(key)
+            if isinstance(exc, KubeError | TimeoutError):
+                # Expected API weather (conflicts, throttling, timeouts): one line, no traceback.
+                log.info(
+                    "reconcile failed queue=%s key=%s attempt=%d retry_in=%.3fs error=%r",
+                    queue.name,
+                    key,
+                    attempt,
+                    delay,
+                    exc,
+                )
+            else:
+                log.warning(
+                    "reconcile failed queue=%s key=%s attempt=%d retry_in=%.3fs error=%r",
+                    queue.name,
+                    key,
+                    attempt,
+                    delay,
+                    exc,
+                    exc_info=exc,
+                )
+        else:
+            result_label = "success"
+            queue.forget(key)
+            if isinstance(result, RequeueAfter):
+                result_label = "requeue_after"
+                queue.add_after(key, result.seconds)
+        finally:
+            queue.done(key)
+            RECONCILE_TOTAL.labels(queue.name, result_label).inc()
+            RECONCILE_TIME.labels(queue.name, result_label).observe(max(0.0, clock.now() - start))

@@ -1,0 +1,328 @@
+"""Work queue semantics with fake time: dedupe, one-at-a-time per key, backoff, rate limit, delays, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+
+import pytest
+
+from computedomain.kube.clock import FakeClock
+from computedomain.kube.errors import Conflict, TooManyRequests
+from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
+from computedomain.kube.workqueue import (
+    DONE,
+    PermanentError,
+    QueueShutDown,
+    ReconcileResult,
+    RequeueAfter,
+    WorkQueue,
+    run_workers,
+)
+
+pytestmark = pytest.mark.timeout(5)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_queue(clock: FakeClock, *, jitter: float = 0.0, rate: float = 1000.0, burst: int = 1000) -> WorkQueue[str]:
+    return WorkQueue(
+        "test",
+        clock=clock,
+        backoff=ItemBackoff(base=0.005, cap=10.0, jitter=jitter, rng=random.Random(7)),
+        bucket=TokenBucket(rate, burst, clock=clock),
+    )
+
+
+async def get_now(q: WorkQueue[str]) -> str:
+    return await asyncio.wait_for(q.get(), 0.5)
+
+
+async def test_dedupes_pending_keys(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    for key in ["a", "b", "a", "a", "b", "c"]:
+        q.add(key)
+    assert len(q) == 3
+    assert [await get_now(q) for _ in range(3)] == ["a", "b", "c"]
+    assert len(q) == 0
+
+
+async def test_key_added_while_processing_runs_again_after_done(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    q.add("a")
+    assert await get_now(q) == "a"
+    q.add("a")
+    q.add("a")
+    assert len(q) == 0, "a key being processed must not be handed out again"
+    assert q.processing == frozenset({"a"})
+    q.done("a")
+    assert len(q) == 1
+    assert await get_now(q) == "a"
+    q.done("a")
+    assert q.is_idle()
+
+
+async def test_workers_never_run_one_key_concurrently(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    running: set[str] = set()
+    overlap: list[str] = []
+    calls: dict[str, int] = {}
+    release = asyncio.Event()
+
+    async def reconcile(key: str) -> ReconcileResult:
+        if key in running:
+            overlap.append(key)
+        running.add(key)
+        calls[key] = calls.get(key, 0) + 1
+        await release.wait()
+        running.discard(key)
+        return DONE
+
+    task = asyncio.create_task(run_workers(q, reconcile, workers=4))
+    q.add("a")
+    q.add("b")
+    await clock.settle()
+    assert running == {"a", "b"}
+    for _ in range(5):
+        q.add("a")  # all while "a" is in flight: collapse into one more run
+    await clock.settle()
+    assert calls == {"a": 1, "b": 1}
+    release.set()
+    await clock.settle()
+    assert not overlap
+    assert calls == {"a": 2, "b": 1}
+    q.shutdown()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_backoff_grows_exponentially_and_resets_on_forget(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    delays = [q.add_rate_limited("a") for _ in range(6)]
+    assert delays == pytest.approx([0.005, 0.01, 0.02, 0.04, 0.08, 0.16])
+    assert q.num_requeues("a") == 6
+    assert q.num_requeues("b") == 0, "backoff is per key"
+    q.forget("a")
+    assert q.num_requeues("a") == 0
+    assert q.add_rate_limited("a") == pytest.approx(0.005)
+
+
+def test_backoff_is_capped_and_jittered() -> None:
+    backoff: ItemBackoff[str] = ItemBackoff(base=0.005, cap=10.0, jitter=0.1, rng=random.Random(1))
+    delays = [backoff.when("k") for _ in range(40)]
+    for n, d in enumerate(delays):
+        nominal = min(10.0, 0.005 * 2**n)
+        assert nominal <= d <= nominal * 1.1
+    assert len({round(d, 9) for d in delays[-10:]}) > 1, "jitter spreads capped retries"
+
+
+async def test_rate_limited_key_is_ready_only_after_its_backoff(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    for _ in range(4):
+        q.add_rate_limited("a")  # backoff now at 0.04 s for the 4th failure
+    # Only the earliest scheduled time counts (0.005 s).
+    assert q.waiting["a"] == pytest.approx(clock.now() + 0.005)
+    getter = asyncio.create_task(q.get())
+    await clock.settle()
+    assert not getter.done()
+    await clock.advance(0.004)
+    assert not getter.done()
+    await clock.advance(0.002)
+    assert getter.done()
+    assert getter.result() == "a"
+
+
+async def test_global_token_bucket_spreads_failures_of_many_keys(clock: FakeClock) -> None:
+    q = make_queue(clock, rate=10.0, burst=2)
+    delays = [q.add_rate_limited(f"k{i}") for i in range(6)]
+    # First two ride the burst (per-item 5 ms), then 10/s: 0.1, 0.2, 0.3, 0.4 s.
+    assert delays == pytest.approx([0.005, 0.005, 0.1, 0.2, 0.3, 0.4])
+    await clock.advance(0.25)
+    got = [await get_now(q) for _ in range(4)]
+    assert got == ["k0", "k1", "k2", "k3"]
+    assert len(q) == 0
+
+
+def test_token_bucket_refills(clock: FakeClock) -> None:
+    bucket = TokenBucket(2.0, 2, clock=clock)
+    assert [bucket.reserve() for _ in range(3)] == pytest.approx([0.0, 0.0, 0.5])
+    clock._now += 10.0  # long idle: refills, but only up to the burst
+    assert [bucket.reserve() for _ in range(3)] == pytest.approx([0.0, 0.0, 0.5])
+
+
+async def test_add_after_delays_and_earliest_wins(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    q.add_after("a", 30.0)
+    q.add_after("a", 10.0)
+    q.add_after("a", 20.0)
+    q.add_after("b", 5.0)
+    getter = asyncio.create_task(q.get())
+    await clock.advance(4.9)
+    assert not getter.done()
+    await clock.advance(0.2)
+    assert getter.result() == "b"
+    await clock.advance(4.7)
+    assert len(q) == 0
+    await clock.advance(0.4)
+    assert len(q) == 1
+    assert await get_now(q) == "a"
+    q.done("a")
+    await clock.advance(100.0)
+    assert len(q) == 0, "the superseded 20 s and 30 s schedules must not fire"
+
+
+async def test_add_after_of_a_pending_key_is_deduped(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    q.add("a")
+    q.add_after("a", 1.0)
+    await clock.advance(2.0)
+    assert len(q) == 1
+    assert await get_now(q) == "a"
+
+
+async def test_shutdown_wakes_getters_and_stops_adds(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    getters = [asyncio.create_task(q.get()) for _ in range(3)]
+    await clock.settle()
+    q.shutdown()
+    for g in getters:
+        with pytest.raises(QueueShutDown):
+            await asyncio.wait_for(g, 0.5)
+    q.add("a")
+    assert len(q) == 0
+    with pytest.raises(QueueShutDown):
+        await get_now(q)
+
+
+async def test_queue_latency_and_requeue_after_via_workers(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    seen: list[tuple[str, float]] = []
+
+    async def reconcile(key: str) -> ReconcileResult:
+        seen.append((key, clock.now()))
+        return RequeueAfter(60.0) if len(seen) < 3 else None
+
+    start = clock.now()
+    task = asyncio.create_task(run_workers(q, reconcile, workers=2))
+    q.add("cd")
+    await clock.settle()
+    await clock.advance(60.0)
+    await clock.advance(60.0)
+    await clock.advance(600.0)
+    assert [t - start for _, t in seen] == pytest.approx([0.0, 60.0, 120.0])
+    assert q.num_requeues("cd") == 0, "RequeueAfter is not a failure"
+    q.shutdown()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_worker_error_backs_off_then_success_resets(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    outcomes: list[Exception | None] = [Conflict("stale"), RuntimeError("boom"), RuntimeError("boom"), None]
+    times: list[float] = []
+
+    async def reconcile(key: str) -> ReconcileResult:
+        times.append(clock.now())
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        return DONE
+
+    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
+    q.add("k")
+    await clock.settle()
+    for _ in range(10):
+        await clock.advance(0.005)
+    assert len(times) == 4
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps[0] == pytest.approx(0.005, abs=1e-6)
+    assert gaps[1] == pytest.approx(0.010, abs=1e-6)
+    assert gaps[2] == pytest.approx(0.020, abs=1e-6)
+    assert q.num_requeues("k") == 0
+    q.shutdown()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_permanent_error_is_not_retried(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    calls = 0
+
+    async def reconcile(key: str) -> ReconcileResult:
+        nonlocal calls
+        calls += 1
+        raise PermanentError("spec.channel.resourceClaimTemplate.name is taken by a foreign object")
+
+    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
+    q.add("k")
+    await clock.settle()
+    await clock.advance(3600.0)
+    assert calls == 1
+    assert q.is_idle()
+    q.add("k")  # a new event does run it again
+    await clock.settle()
+    assert calls == 2
+    q.shutdown()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_too_many_requests_waits_at_least_retry_after(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    times: list[float] = []
+
+    async def reconcile(key: str) -> ReconcileResult:
+        times.append(clock.now())
+        if len(times) == 1:
+            raise TooManyRequests("throttled", status=429, retry_after=30.0)
+        return DONE
+
+    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
+    q.add("k")
+    await clock.settle()
+    await clock.advance(29.0)
+    assert len(times) == 1
+    await clock.advance(1.5)
+    assert len(times) == 2
+    assert times[1] - times[0] == pytest.approx(30.0)
+    q.shutdown()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_reconcile_timeout_counts_as_failure(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    calls = 0
+
+    async def reconcile(key: str) -> ReconcileResult:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(10)  # real time: the timeout below is real time too
+        return DONE
+
+    task = asyncio.create_task(run_workers(q, reconcile, workers=1, reconcile_timeout=0.05))
+    q.add("k")
+    await asyncio.sleep(0.1)
+    assert q.num_requeues("k") == 1
+    await clock.advance(0.01)
+    assert calls == 2
+    q.shutdown()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_cancelling_workers_marks_keys_done(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    started = asyncio.Event()
+
+    async def reconcile(key: str) -> ReconcileResult:
+        started.set()
+        await asyncio.Event().wait()
+        return DONE
+
+    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
+    q.add("k")
+    await asyncio.wait_for(started.wait(), 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert q.processing == frozenset()
