@@ -1,0 +1,585 @@
+"""The node agent's on-disk record of what it prepared, and the rules for changing it.
+
+Owns `<plugin dir>/checkpoint.json` and its lock file. The checkpoint is the node-local source of truth
+that lets Unprepare work without the API server, makes Prepare idempotent, guards channels against two
+claims, survives crashes at any point and is invalidated by a reboot. Format and rules:
+`docs/design/0004-checkpoint.md`.
+
+Two layers:
+
+- pure state transitions on an immutable `Checkpoint` (`begin_prepare`, `complete_prepare`,
+  `finish_unprepare`, `reconcile_boot`, `expire_tombstones`, ...): no I/O, no clock, table-testable;
+- `CheckpointStore`, the thin I/O: JSON with a checksum, atomic replace (temp file, fsync, rename, fsync of
+  the directory), and a node-wide `fcntl.flock` held for every read-modify-write, so several processes
+  (or a restarted agent racing its predecessor) never lose an update.
+
+Concurrency model: the store's methods block (file I/O, lock waits); async callers run them through
+`asyncio.to_thread` (the `*_async` helpers do). The lock is not re-entrant; taking it twice from one
+thread is a bug and raises instead of deadlocking. Reads without the lock are allowed and see a complete
+file, because writers only ever rename a finished file into place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION: Final = 1
+CHECKPOINT_FILE: Final = "checkpoint.json"
+LOCK_FILE: Final = "checkpoint.lock"
+DEFAULT_BOOT_ID_PATH: Final = Path("/proc/sys/kernel/random/boot_id")
+# A stale Prepare can only arrive within one kubelet call (45 s) of the Unprepare it raced; keep the
+# tombstone twice that long.
+DEFAULT_TOMBSTONE_TTL: Final = timedelta(seconds=90)
+DEFAULT_LOCK_TIMEOUT_S: Final = 10.0
+_TMP_PREFIX: Final = ".checkpoint.json.tmp-"
+
+T = TypeVar("T")
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+class CheckpointError(Exception):
+    """Base of everything this module raises on purpose."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """The file exists but cannot be trusted. Never silently replaced: that would forget what to undo."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"checkpoint {path} is corrupt ({reason}); the node agent will not guess what is prepared on "
+            f"this node: inspect it, then move it aside (mv {path} {path}.corrupt) and restart the agent "
+            "so the kubelet prepares its claims again"
+        )
+
+
+class LockTimeoutError(CheckpointError):
+    """Another process holds the checkpoint lock for too long. Retryable."""
+
+
+class StalePrepareError(CheckpointError):
+    """A Prepare for a claim this node already unprepared or aborted, with the same claim state: it is a
+    late retry that raced the Unprepare (#1162) and must not resurrect the claim. Permanent."""
+
+
+class ChannelInUseError(CheckpointError):
+    """Another claim still holds a requested channel (its Unprepare has not arrived yet). Retryable."""
+
+    def __init__(self, channel: int, holder: str) -> None:
+        self.channel = channel
+        self.holder = holder
+        super().__init__(
+            f"IMEX channel {channel} is still prepared for claim {holder} on this node; "
+            "waiting for that claim to be unprepared"
+        )
+
+
+class InvalidTransitionError(CheckpointError):
+    """A caller asked for a transition the state machine does not have (a bug in the caller)."""
+
+
+# --- model -------------------------------------------------------------------------------------------------
+
+
+class ClaimState(StrEnum):
+    PREPARE_STARTED = "PrepareStarted"
+    PREPARE_COMPLETED = "PrepareCompleted"
+    # Tombstones: the claim is gone from this node; kept for a while to reject stale Prepare retries.
+    PREPARE_ABORTED = "PrepareAborted"
+    UNPREPARE_COMPLETED = "UnprepareCompleted"
+
+    @property
+    def is_tombstone(self) -> bool:
+        return self in (ClaimState.PREPARE_ABORTED, ClaimState.UNPREPARE_COMPLETED)
+
+
+class DeviceKind(StrEnum):
+    CHANNEL = "channel"
+    DAEMON = "daemon"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+class NodeLabel(_Model):
+    """A node label this claim set; undo removes it only while it still has this value."""
+
+    key: str
+    value: str
+
+
+class PreparedResource(_Model):
+    """The side effects of one device config of a claim: what Unprepare has to undo."""
+
+    kind: DeviceKind
+    domain_id: str = Field(alias="domainID")
+    # IMEX channel IDs handed to the workload (channel claims), for the one-holder-per-channel guard.
+    channels: tuple[int, ...] = ()
+    node_label: NodeLabel | None = Field(None, alias="nodeLabel")
+    # Per-domain host directory mounted at /imexd (daemon claims).
+    domain_dir: str | None = Field(None, alias="domainDir")
+
+
+class CheckpointDevice(_Model):
+    """A device as returned to the kubelet; replayed verbatim when Prepare is repeated."""
+
+    request_names: tuple[str, ...] = Field(alias="requestNames")
+    pool_name: str = Field(alias="poolName")
+    device_name: str = Field(alias="deviceName")
+    cdi_device_ids: tuple[str, ...] = Field((), alias="cdiDeviceIDs")
+    share_id: str | None = Field(None, alias="shareID")
+
+
+class ClaimEntry(_Model):
+    uid: str
+    namespace: str
+    name: str
+    state: ClaimState
+    # Identifies the claim state the Prepare acted on (see claim_fingerprint); a tombstone rejects a Prepare
+    # only when the fingerprint is unchanged, so a later legitimate Prepare of the same claim still works.
+    fingerprint: str = ""
+    resources: tuple[PreparedResource, ...] = ()
+    cdi_spec_files: tuple[str, ...] = Field((), alias="cdiSpecFiles")
+    devices: tuple[CheckpointDevice, ...] = ()
+    started_at: datetime = Field(alias="startedAt")
+    updated_at: datetime = Field(alias="updatedAt")
+    completed_at: datetime | None = Field(None, alias="completedAt")
+    tombstoned_at: datetime | None = Field(None, alias="tombstonedAt")
+    # Why the entry is in its state when that is not obvious, e.g. demoted after a reboot.
+    note: str = ""
+
+    @property
+    def channels(self) -> frozenset[int]:
+        return frozenset(c for r in self.resources for c in r.channels)
+
+
+class Checkpoint(_Model):
+    version: Literal[1] = CHECKPOINT_VERSION
+    boot_id: str = Field("", alias="bootID")
+    claims: dict[str, ClaimEntry] = Field(default_factory=dict)
+
+    def get(self, uid: str) -> ClaimEntry | None:
+        return self.claims.get(uid)
+
+    def with_entry(self, entry: ClaimEntry) -> Checkpoint:
+        return self.model_copy(update={"claims": {**self.claims, entry.uid: entry}})
+
+    def without(self, uids: Iterable[str]) -> Checkpoint:
+        drop = set(uids)
+        return self.model_copy(update={"claims": {u: e for u, e in self.claims.items() if u not in drop}})
+
+    def in_state(self, *states: ClaimState) -> list[ClaimEntry]:
+        return [e for e in self.claims.values() if e.state in states]
+
+
+def claim_fingerprint(claim_status: Mapping[str, Any]) -> str:
+    """A stable digest of a ResourceClaim's `status` (allocation and reservations), as JSON. A stale
+    Prepare retry sees the same status as the attempt that was unprepared; a new use of the claim (another
+    reservation, a new allocation) changes it."""
+    canonical = json.dumps(claim_status, sort_keys=True, separators=(",", ":"), default=str)
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# --- pure transitions -------------------------------------------------------------------------------------
+
+
+def check_prepare(cp: Checkpoint, uid: str, fingerprint: str) -> ClaimEntry | None:
+    """What Prepare must do first. Returns the completed entry when the claim is already prepared (return
+    its devices unchanged), None when preparing may go ahead; raises StalePrepareError for a late retry."""
+    entry = cp.get(uid)
+    if entry is None or entry.state is ClaimState.PREPARE_STARTED:
+        return None
+    if entry.state is ClaimState.PREPARE_COMPLETED:
+        return entry
+    if entry.fingerprint == fingerprint:
+        raise StalePrepareError(
+            f"claim {entry.namespace}/{entry.name} ({uid}) was already {entry.state} on this node at "
+            f"{entry.tombstoned_at}; refusing a stale Prepare for the same claim state"
+        )
+    return None
+
+
+def channel_holder(cp: Checkpoint, channels: Iterable[int], except_uid: str) -> tuple[int, str] | None:
+    """(channel, uid) of another completed claim that still holds one of channels, if any."""
+    wanted = set(channels)
+    if not wanted:
+        return None
+    for entry in cp.in_state(ClaimState.PREPARE_COMPLETED):
+        if entry.uid == except_uid:
+            continue
+        taken = wanted & entry.channels
+        if taken:
+            return min(taken), entry.uid
+    return None
+
+
+def _merge(old: Iterable[T], new: Iterable[T]) -> tuple[T, ...]:
+    out: list[T] = []
+    for item in (*old, *new):
+        if item not in out:
+            out.append(item)
+    return tuple(out)
+
+
+def begin_prepare(
+    cp: Checkpoint,
+    *,
+    uid: str,
+    namespace: str,
+    name: str,
+    fingerprint: str,
+    resources: Iterable[PreparedResource],
+    cdi_spec_files: Iterable[str],
+    now: datetime,
+) -> Checkpoint:
+    """Record the intent to prepare, before any side effect, with everything needed to undo it.
+
+    A repeated attempt of a claim still in PrepareStarted keeps what earlier attempts recorded (their side
+    effects may exist) and adds the new plan. Raises StalePrepareError, ChannelInUseError, or
+    InvalidTransitionError for a claim already completed (call check_prepare first)."""
+    resources = tuple(resources)
+    if check_prepare(cp, uid, fingerprint) is not None:
+        raise InvalidTransitionError(f"claim {uid} is already PrepareCompleted; return its devices instead")
+    held = channel_holder(cp, (c for r in resources for c in r.channels), except_uid=uid)
+    if held is not None:
+        raise ChannelInUseError(*held)
+    old = cp.get(uid)
+    resume = old is not None and old.state is ClaimState.PREPARE_STARTED
+    entry = ClaimEntry(
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        state=ClaimState.PREPARE_STARTED,
+        fingerprint=fingerprint,
+        resources=_merge(old.resources, resources) if resume and old else resources,
+        cdi_spec_files=_merge(old.cdi_spec_files, cdi_spec_files) if resume and old else tuple(cdi_spec_files),
+        started_at=old.started_at if resume and old else now,
+        updated_at=now,
+    )
+    return cp.with_entry(entry)
+
+
+def complete_prepare(cp: Checkpoint, uid: str, devices: Iterable[CheckpointDevice], *, now: datetime) -> Checkpoint:
+    """PrepareStarted -> PrepareCompleted, once every side effect is in place."""
+    entry = cp.get(uid)
+    if entry is None or entry.state is not ClaimState.PREPARE_STARTED:
+        state = entry.state if entry else "absent"
+        raise InvalidTransitionError(f"claim {uid} cannot complete Prepare from state {state}")
+    done = entry.model_copy(
+        update={
+            "state": ClaimState.PREPARE_COMPLETED,
+            "devices": tuple(devices),
+            "completed_at": now,
+            "updated_at": now,
+            "note": "",
+        }
+    )
+    return cp.with_entry(done)
+
+
+def undo_plan(cp: Checkpoint, uid: str) -> ClaimEntry | None:
+    """The entry whose side effects Unprepare must undo, or None when there is nothing to undo."""
+    entry = cp.get(uid)
+    if entry is None or entry.state.is_tombstone:
+        return None
+    return entry
+
+
+def finish_unprepare(cp: Checkpoint, uid: str, *, now: datetime) -> Checkpoint:
+    """After the side effects are undone: PrepareCompleted -> UnprepareCompleted, PrepareStarted ->
+    PrepareAborted. Unknown claims and tombstones are left as they are (Unprepare is idempotent)."""
+    entry = cp.get(uid)
+    if entry is None or entry.state.is_tombstone:
+        return cp
+    state = (
+        ClaimState.UNPREPARE_COMPLETED if entry.state is ClaimState.PREPARE_COMPLETED else ClaimState.PREPARE_ABORTED
+    )
+    tombstone = entry.model_copy(
+        update={
+            "state": state,
+            "resources": (),
+            "cdi_spec_files": (),
+            "devices": (),
+            "tombstoned_at": now,
+            "updated_at": now,
+        }
+    )
+    return cp.with_entry(tombstone)
+
+
+def expire_tombstones(cp: Checkpoint, *, now: datetime, ttl: timedelta = DEFAULT_TOMBSTONE_TTL) -> Checkpoint:
+    """Drop tombstones older than ttl (and any without a timestamp)."""
+    expired = [
+        e.uid
+        for e in cp.claims.values()
+        if e.state.is_tombstone and (e.tombstoned_at is None or now - e.tombstoned_at >= ttl)
+    ]
+    return cp.without(expired) if expired else cp
+
+
+def reconcile_boot(cp: Checkpoint, boot_id: str) -> tuple[Checkpoint, list[ClaimEntry]]:
+    """Apply the boot-ID rule. Returns the checkpoint to keep and the entries invalidated by a reboot.
+
+    After a reboot nothing prepared before it is in place any more (containers, device nodes, tmpfs CDI
+    specs), so no entry may short-circuit a Prepare. Live entries are demoted to PrepareStarted, which
+    keeps their undo information (node labels and persistent files survive reboots) until an Unprepare or
+    the stale-claim cleanup disposes of them, and lets a new Prepare redo the work. Tombstones are dropped:
+    no retry crosses a reboot. A file without a boot ID (never stamped) adopts the current one."""
+    if cp.boot_id == boot_id:
+        return cp, []
+    if not cp.boot_id:
+        return cp.model_copy(update={"boot_id": boot_id}), []
+    invalidated = [e for e in cp.claims.values() if not e.state.is_tombstone]
+    note = f"invalidated by reboot (was {{state}} under boot {cp.boot_id})"
+    claims = {
+        e.uid: e.model_copy(
+            update={
+                "state": ClaimState.PREPARE_STARTED,
+                "devices": (),
+                "completed_at": None,
+                "note": note.format(state=e.state),
+            }
+        )
+        for e in invalidated
+    }
+    return Checkpoint(boot_id=boot_id, claims=claims), invalidated
+
+
+# --- serialisation -----------------------------------------------------------------------------------------
+
+
+def _checksum(payload: Mapping[str, Any]) -> str:
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def dumps(cp: Checkpoint) -> str:
+    payload = cp.model_dump(mode="json", by_alias=True)
+    body = {"version": payload.pop("version"), "checksum": _checksum(payload), **payload}
+    return json.dumps(body, indent=1) + "\n"
+
+
+def loads(text: str, path: Path) -> Checkpoint:
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointCorruptError(path, f"not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointCorruptError(path, "not a JSON object")
+    version = raw.pop("version", None)
+    if version != CHECKPOINT_VERSION:
+        if isinstance(version, int) and version > CHECKPOINT_VERSION:
+            raise CheckpointCorruptError(
+                path,
+                f"format version {version} is newer than this agent's {CHECKPOINT_VERSION}; "
+                "downgrading the node agent is not supported",
+            )
+        raise CheckpointCorruptError(path, f"unknown format version {version!r}")
+    stored = raw.pop("checksum", None)
+    if stored != _checksum(raw):
+        raise CheckpointCorruptError(path, "checksum mismatch (edited by hand or damaged on disk)")
+    try:
+        return Checkpoint.model_validate({"version": version, **raw})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise CheckpointCorruptError(path, f"invalid content at {where}: {first['msg']}") from None
+
+
+# --- file I/O ----------------------------------------------------------------------------------------------
+
+
+def read_boot_id(path: Path = DEFAULT_BOOT_ID_PATH) -> str:
+    boot_id = path.read_text().strip()
+    if not boot_id:
+        raise CheckpointError(f"boot ID file {path} is empty")
+    return boot_id
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str, *, mode: int = 0o644, tmp_prefix: str | None = None) -> None:
+    """Replace path with text so that readers see the old or the new content, never a mix, even across a
+    crash or power loss: write a temp file in the same directory, fsync it, rename it over path, fsync
+    the directory so the rename itself is durable."""
+    directory = path.parent
+    fd, tmp_name = tempfile.mkstemp(prefix=tmp_prefix or f".{path.name}.tmp-", dir=directory)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_dir(directory)
+
+
+class FileLock:
+    """An exclusive `flock` on a lock file that is never deleted (deleting it would let two holders lock
+    two different inodes). Polls without blocking so a stuck holder becomes a timeout, not a hang."""
+
+    def __init__(self, path: Path, *, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, poll_s: float = 0.05) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._owner: int | None = None
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._guard:
+            if self._owner == me:
+                raise RuntimeError(f"lock {self.path} is already held by this thread (not re-entrant)")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                if time.monotonic() >= deadline:
+                    raise LockTimeoutError(f"could not lock {self.path} within {self.timeout_s:g} s")
+                time.sleep(self.poll_s)
+            with self._guard:
+                self._owner = me
+            try:
+                yield
+            finally:
+                with self._guard:
+                    self._owner = None
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class CheckpointStore:
+    """The checkpoint file of one plugin directory. Call `open()` once at start-up."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        boot_id_path: Path = DEFAULT_BOOT_ID_PATH,
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        self.directory = directory
+        self.path = directory / CHECKPOINT_FILE
+        self.lock = FileLock(directory / LOCK_FILE, timeout_s=lock_timeout_s)
+        self.boot_id_path = boot_id_path
+        self.clock = clock
+
+    # -- reads
+
+    def read(self) -> Checkpoint:
+        """The current content, without the lock. A missing file reads as an empty, unstamped checkpoint."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return Checkpoint()
+        except UnicodeDecodeError as exc:
+            raise CheckpointCorruptError(self.path, f"not UTF-8 text: {exc.reason}") from None
+        return loads(text, self.path)
+
+    # -- writes (callers must hold the lock)
+
+    def _write(self, cp: Checkpoint) -> None:
+        atomic_write_text(self.path, dumps(cp), mode=0o600, tmp_prefix=_TMP_PREFIX)
+
+    def update(self, change: Callable[[Checkpoint], tuple[Checkpoint, T]]) -> T:
+        """Read-modify-write under the lock. `change` is a pure function returning (new checkpoint, value);
+        the file is rewritten only when the checkpoint changed. Exceptions from `change` leave the file
+        untouched and propagate."""
+        with self.lock.held():
+            current = self.read()
+            new, value = change(current)
+            if new != current:
+                self._write(new)
+            return value
+
+    def open(self) -> list[ClaimEntry]:
+        """Start-up: create the directory, remove temp files of interrupted writes, apply the boot-ID rule.
+        Returns the entries invalidated by a reboot (their side effects may need undoing). Raises
+        CheckpointCorruptError rather than replacing an unreadable file."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        boot_id = read_boot_id(self.boot_id_path)
+        with self.lock.held():
+            for leftover in self.directory.glob(_TMP_PREFIX + "*"):
+                log.info("removing temp file of an interrupted checkpoint write path=%s", leftover)
+                with contextlib.suppress(FileNotFoundError):
+                    leftover.unlink()
+            existed = self.path.exists()
+            current = self.read()
+            new, invalidated = reconcile_boot(current, boot_id)
+            if invalidated:
+                log.warning(
+                    "node rebooted since the checkpoint was written; %d prepared claim(s) invalidated "
+                    "path=%s old_boot_id=%s boot_id=%s claims=%s",
+                    len(invalidated),
+                    self.path,
+                    current.boot_id,
+                    boot_id,
+                    ",".join(f"{e.namespace}/{e.name}:{e.uid}" for e in invalidated),
+                )
+            if new != current or not existed:
+                self._write(new)
+        return invalidated
+
+    def quarantine(self) -> Path:
+        """Move an unreadable checkpoint aside (for an explicit operator opt-in); returns the new path."""
+        target = self.path.with_name(f"{self.path.name}.corrupt-{self.clock().strftime('%Y%m%dT%H%M%SZ')}")
+        with self.lock.held():
+            self.path.rename(target)
+            _fsync_dir(self.directory)
+        log.error("moved corrupt checkpoint aside path=%s moved_to=%s", self.path, target)
+        return target
+
+    # -- async conveniences (the store blocks; never call it on the event loop directly)
+
+    async def update_async(self, change: Callable[[Checkpoint], tuple[Checkpoint, T]]) -> T:
+        return await asyncio.to_thread(self.update, change)
+
+    async def read_async(self) -> Checkpoint:
+        return await asyncio.to_thread(self.read)
