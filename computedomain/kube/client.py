@@ -30,7 +30,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeAlias, TypeVar, overload
@@ -101,9 +101,7 @@ class Resource:
     def api_version(self) -> str:
         return f"{self.group}/{self.version}" if self.group else self.version
 
-    def path(
-        self, *, namespace: str | None = None, name: str | None = None, subresource: str | None = None
-    ) -> str:
+    def path(self, *, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
         """The URL path; a namespaced resource without ``namespace`` means "all namespaces" (list/watch)."""
         parts = ["/api", self.version] if not self.group else ["/apis", self.group, self.version]
         if self.namespaced and namespace:
@@ -130,15 +128,11 @@ EVENTS_V1 = Resource("events.k8s.io", "v1", "events", True, "Event")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", True, "Lease")
 DAEMONSETS = Resource("apps", "v1", "daemonsets", True, "DaemonSet")
 RESOURCE_CLAIMS = Resource("resource.k8s.io", "v1", "resourceclaims", True, "ResourceClaim")
-RESOURCE_CLAIM_TEMPLATES = Resource(
-    "resource.k8s.io", "v1", "resourceclaimtemplates", True, "ResourceClaimTemplate"
-)
+RESOURCE_CLAIM_TEMPLATES = Resource("resource.k8s.io", "v1", "resourceclaimtemplates", True, "ResourceClaimTemplate")
 RESOURCE_SLICES = Resource("resource.k8s.io", "v1", "resourceslices", False, "ResourceSlice")
 DEVICE_CLASSES = Resource("resource.k8s.io", "v1", "deviceclasses", False, "DeviceClass")
 COMPUTE_DOMAINS = Resource("resource.nvidia.com", "v1beta1", "computedomains", True, "ComputeDomain")
-COMPUTE_DOMAIN_CLIQUES = Resource(
-    "resource.nvidia.com", "v1beta1", "computedomaincliques", True, "ComputeDomainClique"
-)
+COMPUTE_DOMAIN_CLIQUES = Resource("resource.nvidia.com", "v1beta1", "computedomaincliques", True, "ComputeDomainClique")
 
 #: Every resource the service touches, by ``(api_version, kind)``.
 REGISTRY: Mapping[tuple[str, str], Resource] = {
@@ -322,9 +316,7 @@ class KubeClient:
             load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         else:
             path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or _default_kubeconfig()
-            await load_kube_config(
-                config_file=path, context=context, client_configuration=cfg, persist_config=False
-            )
+            await load_kube_config(config_file=path, context=context, client_configuration=cfg, persist_config=False)
         return cls(ApiClient(configuration=cfg), config=config, clock=clock)
 
     async def close(self) -> None:
@@ -470,9 +462,7 @@ class KubeClient:
                     resp.release()
             code = str(resp.status)
             if resp.status >= 400:
-                raise error_from_response(
-                    resp.status, data, retry_after_header=resp.headers.get("Retry-After")
-                )
+                raise error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
             return data
         except KubeError:
             raise
@@ -514,9 +504,7 @@ class KubeClient:
     @overload
     async def get(self, resource: Resource, name: str, *, namespace: str | None = None) -> Raw: ...
     @overload
-    async def get(
-        self, resource: Resource, name: str, *, namespace: str | None = None, decode: Decoder[T]
-    ) -> T: ...
+    async def get(self, resource: Resource, name: str, *, namespace: str | None = None, decode: Decoder[T]) -> T: ...
     async def get(
         self,
         resource: Resource,
@@ -578,9 +566,7 @@ class KubeClient:
             limit=limit,
             continue_token=continue_token,
         )
-        raw = await self._json(
-            "GET", resource.path(namespace=namespace), verb="list", resource=resource, query=query
-        )
+        raw = await self._json("GET", resource.path(namespace=namespace), verb="list", resource=resource, query=query)
         meta = raw.get("metadata") or {}
         items = raw.get("items") or []
         return ObjectList(
@@ -649,9 +635,7 @@ class KubeClient:
         return q
 
     @overload
-    async def create(
-        self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None
-    ) -> Raw: ...
+    async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw: ...
     @overload
     async def create(
         self,
@@ -717,9 +701,7 @@ class KubeClient:
         )
         return decode(out)
 
-    async def replace_status(
-        self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None
-    ) -> Raw:
+    async def replace_status(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
         """PUT the ``status`` subresource (``Conflict`` on a stale resourceVersion)."""
         return await self.replace(resource, body, namespace=namespace, subresource="status")
 
@@ -924,7 +906,7 @@ class KubeClient:
         timeout_seconds: int | None = None,
         allow_bookmarks: bool = True,
         inactivity_timeout: float | None = None,
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         """Stream watch events from ``resource_version``.
 
         Ends normally when the server closes the stream (``timeout_seconds``). Raises ``Gone`` when the
@@ -952,9 +934,7 @@ class KubeClient:
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self.config.timeout):
-                resp = await self._send(
-                    "GET", path, query=query, body=None, content_type=_JSON, client_timeout=timeout
-                )
+                resp = await self._send("GET", path, query=query, body=None, content_type=_JSON, client_timeout=timeout)
             code = str(resp.status)
         except TimeoutError as exc:
             raise Transient(f"watch {path}: no response within {self.config.timeout:g}s") from exc
@@ -967,9 +947,7 @@ class KubeClient:
         try:
             if resp.status >= 400:
                 data = await resp.read()
-                raise error_from_response(
-                    resp.status, data, retry_after_header=resp.headers.get("Retry-After")
-                )
+                raise error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
             buf = bytearray()
             async for chunk in resp.content.iter_any():
                 buf += chunk

@@ -32,14 +32,27 @@ class TokenBucket:
         self._tokens = float(self.burst)
         self._last: float | None = None
 
-    def reserve(self) -> float:
-        """Take one token; return the seconds to wait before using it (0 when one was available)."""
-        if self.rate <= 0:
-            return 0.0
+    def _refill(self) -> None:
         now = self._clock.now()
         if self._last is not None:
             self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
         self._last = now
+
+    def try_take(self) -> bool:
+        """Take a token only if one is available now (for dropping, not delaying, excess work)."""
+        if self.rate <= 0:
+            return True
+        self._refill()
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+    def reserve(self) -> float:
+        """Take one token; return the seconds to wait before using it (0 when one was available)."""
+        if self.rate <= 0:
+            return 0.0
+        self._refill()
         self._tokens -= 1.0
         if self._tokens >= 0:
             return 0.0

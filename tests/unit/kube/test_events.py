@@ -1,0 +1,184 @@
+"""Event de-duplication: count bumps instead of new Events, a per-object spam filter, coalesced writes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from computedomain.kube.client import COMPUTE_DOMAINS, EVENTS, NODES, Raw, Resource
+from computedomain.kube.clock import FakeClock
+from computedomain.kube.errors import NotFound, Transient
+from computedomain.kube.events import EventCorrelator, EventRecorder, EventType, ObjectRef
+
+pytestmark = pytest.mark.timeout(5)
+
+CD = ObjectRef(kind="ComputeDomain", api_version="resource.nvidia.com/v1beta1", name="cd", namespace="ns", uid="u-1")
+
+
+class FakeSink:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Raw]] = []
+        self.fail_next: list[Exception] = []
+
+    def _maybe_fail(self) -> None:
+        if self.fail_next:
+            raise self.fail_next.pop(0)
+
+    async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
+        assert resource is EVENTS
+        self._maybe_fail()
+        self.calls.append(("create", str(body["metadata"]["name"]), dict(body)))
+        return dict(body)
+
+    async def merge_patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+    ) -> Raw:
+        self._maybe_fail()
+        self.calls.append(("patch", name, dict(patch)))
+        return dict(patch)
+
+    @property
+    def actions(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+def observe(c: EventCorrelator, message: str = "2 of 4 daemons ready", ref: ObjectRef = CD) -> str:
+    return c.observe(ref, "Normal", "NotReady", message, name="n", namespace="ns").action
+
+
+def test_first_occurrence_creates_then_repeats_patch() -> None:
+    c = EventCorrelator(clock=FakeClock())
+    assert [observe(c) for _ in range(4)] == ["create", "patch", "patch", "patch"]
+
+
+def test_different_message_or_object_is_a_different_event() -> None:
+    c = EventCorrelator(clock=FakeClock())
+    other = ObjectRef(kind="ComputeDomain", api_version="resource.nvidia.com/v1beta1", name="cd2", namespace="ns")
+    assert observe(c) == "create"
+    assert observe(c, "3 of 4 daemons ready") == "create"
+    assert observe(c, ref=other) == "create"
+    assert observe(c) == "patch"
+
+
+def test_window_expiry_starts_a_new_event() -> None:
+    clock = FakeClock()
+    c = EventCorrelator(clock=clock, window=600.0)
+    assert observe(c) == "create"
+    clock._now += 599.0
+    assert observe(c) == "patch"
+    clock._now += 601.0
+    assert observe(c) == "create"
+
+
+def test_spam_filter_bounds_writes_per_object() -> None:
+    clock = FakeClock()
+    c = EventCorrelator(clock=clock, burst=25, refill=300.0)
+    actions = [observe(c) for _ in range(1000)]
+    assert actions.count("create") == 1
+    assert actions.count("patch") == 24
+    assert actions.count("drop") == 975
+    clock._now += 300.0
+    assert observe(c) == "patch", "one more write per refill period"
+    assert observe(c) == "drop"
+
+
+async def test_recorder_coalesces_a_tight_loop_into_one_write() -> None:
+    sink = FakeSink()
+    rec = EventRecorder(sink, component="compute-domain-controller", instance="ctrl-0")
+    for _ in range(100):
+        rec.record(CD, EventType.WARNING, "DaemonNotReady", "node gb-7: IMEX WAITING_FOR_PEERS")
+    await rec.flush()
+    # 1 create + 24 permitted patches were queued before the writer ran; the create is sent with the newest
+    # count and the patches are skipped: one API write for 100 occurrences.
+    assert sink.actions == ["create"]
+    _, name, body = sink.calls[0]
+    assert body["count"] == 100
+    assert body["type"] == "Warning"
+    assert body["reason"] == "DaemonNotReady"
+    assert body["involvedObject"] == {
+        "kind": "ComputeDomain",
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "name": "cd",
+        "namespace": "ns",
+        "uid": "u-1",
+    }
+    assert body["metadata"]["namespace"] == "ns"
+    assert body["source"] == {"component": "compute-domain-controller"}
+    assert name.startswith("cd.")
+    rec.record(CD, EventType.WARNING, "DaemonNotReady", "node gb-7: IMEX WAITING_FOR_PEERS")
+    await rec.flush()
+    assert sink.actions == ["create", "patch"]
+    assert sink.calls[1][1] == name
+    assert sink.calls[1][2]["count"] == 101
+    await rec.aclose()
+
+
+async def test_recorder_patches_after_each_flush() -> None:
+    sink = FakeSink()
+    rec = EventRecorder(sink, component="c", instance="i")
+    for expected in (1, 2, 3):
+        rec.record(CD, EventType.NORMAL, "Ready", "all daemons ready")
+        await rec.flush()
+        assert sink.calls[-1][2]["count"] == expected
+    assert sink.actions == ["create", "patch", "patch"]
+    await rec.aclose()
+
+
+async def test_patch_of_expired_event_recreates_it() -> None:
+    sink = FakeSink()
+    rec = EventRecorder(sink, component="c", instance="i")
+    rec.record(CD, EventType.NORMAL, "Ready", "all daemons ready")
+    await rec.flush()
+    sink.fail_next.append(NotFound('events "cd.1" not found', status=404))
+    rec.record(CD, EventType.NORMAL, "Ready", "all daemons ready")
+    await rec.flush()
+    assert sink.actions == ["create", "create"]
+    assert sink.calls[1][2]["count"] == 2
+    assert sink.calls[0][1] != sink.calls[1][1]
+    await rec.aclose()
+
+
+async def test_write_failures_are_swallowed_and_a_later_patch_creates() -> None:
+    sink = FakeSink()
+    rec = EventRecorder(sink, component="c", instance="i")
+    sink.fail_next.append(Transient("apiserver down"))
+    rec.record(CD, EventType.WARNING, "Failed", "x")
+    await rec.flush()
+    assert sink.calls == []
+    rec.record(CD, EventType.WARNING, "Failed", "x")
+    await rec.flush()
+    assert sink.actions == ["create"]
+    assert sink.calls[0][2]["count"] == 2
+    await rec.aclose()
+
+
+async def test_cluster_scoped_object_events_go_to_default_namespace_and_long_messages_are_cut() -> None:
+    sink = FakeSink()
+    rec = EventRecorder(sink, component="c", instance="i")
+    node = ObjectRef.for_object(NODES, {"metadata": {"name": "gb-7", "uid": "n-1"}})
+    rec.record(node, EventType.WARNING, "LabelConflict", "x" * 5000)
+    await rec.flush()
+    body = sink.calls[0][2]
+    assert body["metadata"]["namespace"] == "default"
+    assert "namespace" not in body["involvedObject"]
+    assert len(body["message"]) == 1024
+    await rec.aclose()
+
+
+def test_object_ref_for_namespaced_object() -> None:
+    ref = ObjectRef.for_object(COMPUTE_DOMAINS, {"metadata": {"name": "cd", "namespace": "ns", "uid": "u"}})
+    assert ref.to_dict() == {
+        "kind": "ComputeDomain",
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "name": "cd",
+        "namespace": "ns",
+        "uid": "u",
+    }
