@@ -7,7 +7,8 @@ What it owns: turning "tell the user X happened to object O" into as few API wri
   ``lastTimestamp`` moves), or **drop** the write because the object exceeded its budget (a token bucket per
   involved object, ``burst`` writes then one per ``refill`` seconds; dropped repeats are still counted and
   the next permitted patch carries the total). A reconcile loop that fails every few milliseconds therefore
-  costs one create plus a bounded trickle of patches, never a flood.
+  costs one create plus a bounded trickle of patches, never a flood. While a write for an Event is still
+  queued, further occurrences only bump its count (**coalesce**): the write sends the newest count.
 * ``EventRecorder.record()`` is synchronous and never raises: it asks the correlator, then hands the write
   to one background writer task (so reconciles do not wait on Event writes, and a create is always sent
   before the patches of the same Event). Pending patches of one Event coalesce: the writer sends the
@@ -113,12 +114,14 @@ class _Entry:
     last_seen: float
     first_timestamp: str
     create_queued: bool = False
+    pending: bool = False  # a write for this Event is queued and not yet picked up by the writer
     written: int = 0  # the count the API has (0: not created yet)
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What to do for one ``record`` call: ``action`` is ``create``, ``patch`` or ``drop``."""
+    """What to do for one ``record`` call: ``action`` is ``create``, ``patch``, ``coalesce`` (a write is
+    already queued and will carry the new count) or ``drop`` (over the object's budget)."""
 
     action: str
     entry: _Entry = field(repr=False)
@@ -166,8 +169,12 @@ class EventCorrelator:
         self._entries.move_to_end(key)
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
+        if entry.pending:
+            # The queued write will read the count when it is sent: nothing more to send, no token spent.
+            return Decision("coalesce", entry)
         if not self._allow(ref.key):
             return Decision("drop", entry)
+        entry.pending = True
         if not entry.create_queued:
             entry.create_queued = True
             return Decision("create", entry)
@@ -230,6 +237,8 @@ class EventRecorder:
             namespace = ref.namespace or "default"
             name = f"{ref.name}.{time.time_ns():x}"
             decision = self._correlator.observe(ref, str(type_), reason, message, name=name, namespace=namespace)
+            if decision.action == "coalesce":
+                return
             if decision.action == "drop":
                 EVENT_WRITES.labels("dropped").inc()
                 return
@@ -275,6 +284,7 @@ class EventRecorder:
                 self._queue.task_done()
 
     async def _write(self, action: str, entry: _Entry, body: Raw) -> None:
+        entry.pending = False  # occurrences from now on need a write of their own
         count = entry.count
         if action == "patch" and entry.written >= count:
             return  # an earlier write already carried this count

@@ -51,7 +51,22 @@ class FakeSink:
 
 
 def observe(c: EventCorrelator, message: str = "2 of 4 daemons ready", ref: ObjectRef = CD) -> str:
-    return c.observe(ref, "Normal", "NotReady", message, name="n", namespace="ns").action
+    """One occurrence, with its write (if any) taken by the writer at once."""
+    d = c.observe(ref, "Normal", "NotReady", message, name="n", namespace="ns")
+    d.entry.pending = False
+    return d.action
+
+
+def test_occurrences_while_a_write_is_queued_coalesce_without_spending_budget() -> None:
+    c = EventCorrelator(clock=FakeClock(), burst=2)
+    first = c.observe(CD, "Normal", "NotReady", "m", name="n", namespace="ns")
+    assert first.action == "create"
+    for _ in range(50):
+        assert c.observe(CD, "Normal", "NotReady", "m", name="n", namespace="ns").action == "coalesce"
+    assert first.entry.count == 51
+    first.entry.pending = False
+    assert observe(c, "m") == "patch"
+    assert observe(c, "m") == "drop"
 
 
 def test_first_occurrence_creates_then_repeats_patch() -> None:
@@ -96,8 +111,8 @@ async def test_recorder_coalesces_a_tight_loop_into_one_write() -> None:
     for _ in range(100):
         rec.record(CD, EventType.WARNING, "DaemonNotReady", "node gb-7: IMEX WAITING_FOR_PEERS")
     await rec.flush()
-    # 1 create + 24 permitted patches were queued before the writer ran; the create is sent with the newest
-    # count and the patches are skipped: one API write for 100 occurrences.
+    # The writer had not run yet: 99 occurrences coalesced into the queued create, which is sent with the
+    # newest count: one API write for 100 occurrences.
     assert sink.actions == ["create"]
     _, name, body = sink.calls[0]
     assert body["count"] == 100
