@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from computedomain.plugin.atomic import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -419,35 +420,6 @@ def read_boot_id(path: Path = DEFAULT_BOOT_ID_PATH) -> str:
     return boot_id
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str, *, mode: int = 0o644, tmp_prefix: str | None = None) -> None:
-    """Replace path with text so that readers see the old or the new content, never a mix, even across a
-    crash or power loss: write a temp file in the same directory, fsync it, rename it over path, fsync
-    the directory so the rename itself is durable."""
-    directory = path.parent
-    fd, tmp_name = tempfile.mkstemp(prefix=tmp_prefix or f".{path.name}.tmp-", dir=directory)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    _fsync_dir(directory)
-
-
 class FileLock:
     """An exclusive `flock` on a lock file that is never deleted (deleting it would let two holders lock
     two different inodes). Polls without blocking so a stuck holder becomes a timeout, not a hang."""
@@ -572,7 +544,7 @@ class CheckpointStore:
         target = self.path.with_name(f"{self.path.name}.corrupt-{self.clock().strftime('%Y%m%dT%H%M%SZ')}")
         with self.lock.held():
             self.path.rename(target)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         log.error("moved corrupt checkpoint aside path=%s moved_to=%s", self.path, target)
         return target
 
