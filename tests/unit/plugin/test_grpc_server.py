@@ -27,7 +27,7 @@ from computedomain.plugin.preparer import (
     UnprepareResult,
 )
 from computedomain.plugin.proto import dra_v1_pb2, dra_v1_pb2_grpc
-from tests.testbed.kubelet_client import V1, V1BETA1, KubeletClient, RegistrationRejectedError
+from tests.testbed.kubelet_client import V1, V1BETA1, KubeletClient, PluginInfo, RegistrationRejectedError
 
 DRIVER = "compute-domain.nvidia.com"
 
@@ -260,3 +260,27 @@ async def test_health_self_check_uses_dra_socket(server: PluginServer, paths: So
         )
     assert len(reply.claims) == 0
     assert await server.self_check() is None
+
+
+@pytest.mark.parametrize(
+    ("offered", "pinned", "chosen"),
+    [
+        ((V1, V1BETA1), None, V1),
+        ((V1BETA1, V1), None, V1),
+        ((V1BETA1,), None, V1BETA1),
+        ((V1, V1BETA1), V1BETA1, V1BETA1),
+    ],
+)
+def test_kubelet_stand_in_prefers_v1_and_falls_back(offered: tuple[str, ...], pinned: str | None, chosen: str) -> None:
+    client = KubeletClient(Path("/unused"), only_version=pinned)
+    assert client._choose_version(PluginInfo("DRAPlugin", DRIVER, "/abs/dra.sock", offered)) == chosen
+
+
+def test_kubelet_stand_in_rejects_bad_plugin_info() -> None:
+    client = KubeletClient(Path("/unused"), only_version=V1)
+    with pytest.raises(RegistrationRejectedError, match="none of the supported versions"):
+        client._choose_version(PluginInfo("DRAPlugin", DRIVER, "/abs/dra.sock", (V1BETA1,)))
+    with pytest.raises(RegistrationRejectedError, match="not 'DRAPlugin'"):
+        client._choose_version(PluginInfo("CSIPlugin", DRIVER, "/abs/dra.sock", (V1,)))
+    with pytest.raises(RegistrationRejectedError, match="absolute"):
+        client._choose_version(PluginInfo("DRAPlugin", DRIVER, "dra.sock", (V1,)))
