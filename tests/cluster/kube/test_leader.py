@@ -1,0 +1,97 @@
+"""Leader election against a real apiserver: two electors, exactly one leads; a graceful release hands
+over within about one retry period; the standby never runs leader work while the other holds the lease."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from computedomain.kube.client import LEASES, KubeClient
+from computedomain.kube.leader import LeaderElector
+
+pytestmark = pytest.mark.cluster
+
+
+class Log:
+    def __init__(self) -> None:
+        self.leading: list[str] = []
+        self.stopped: list[str] = []
+        self.changed = asyncio.Event()
+
+    async def until(self, leading: list[str]) -> None:
+        async with asyncio.timeout(5):
+            while self.leading != leading:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def elector(kube: KubeClient, namespace: str, who: str, log: Log) -> LeaderElector:
+    async def work() -> None:
+        log.leading.append(who)
+        log.changed.set()
+        await asyncio.Event().wait()
+
+    return LeaderElector(
+        kube,
+        namespace=namespace,
+        name="controller",
+        identity=f"{who}-id",
+        lease_duration=15.0,
+        renew_deadline=10.0,
+        retry_period=0.5,
+        on_started_leading=work,
+        on_stopped_leading=lambda: log.stopped.append(who),
+    )
+
+
+async def test_exactly_one_leads_and_release_hands_over_promptly(kube: KubeClient, namespace: str) -> None:
+    log = Log()
+    a = elector(kube, namespace, "a", log)
+    b = elector(kube, namespace, "b", log)
+    ta = asyncio.create_task(a.run())
+    await asyncio.sleep(1.0)
+    tb = asyncio.create_task(b.run())
+    await asyncio.sleep(2.0)  # several retry periods: b keeps trying and must keep failing
+    assert log.leading == ["a"]
+    assert a.is_leader and not b.is_leader
+    assert b.holder == "a-id"
+    lease = await kube.get(LEASES, "controller", namespace=namespace)
+    assert lease["spec"]["holderIdentity"] == "a-id"
+    assert lease["spec"]["leaseDurationSeconds"] == 15
+
+    start = time.monotonic()
+    ta.cancel()  # graceful shutdown: release
+    await asyncio.wait({ta})
+    assert log.stopped == ["a"]
+    await log.until(["a", "b"])
+    handover = time.monotonic() - start
+    assert handover < 2.0, f"standby took {handover:.2f}s after a graceful release"
+    lease = await kube.get(LEASES, "controller", namespace=namespace)
+    assert lease["spec"]["holderIdentity"] == "b-id"
+    assert lease["spec"]["leaseTransitions"] == 1
+    tb.cancel()
+    await asyncio.wait({tb})
+    lease = await kube.get(LEASES, "controller", namespace=namespace)
+    assert not lease["spec"].get("holderIdentity")
+
+
+async def test_losing_the_lease_stops_the_work(kube: KubeClient, namespace: str) -> None:
+    from computedomain.kube.leader import LeadershipLost
+
+    log = Log()
+    a = elector(kube, namespace, "a", log)
+    ta = asyncio.create_task(a.run())
+    await log.until(["a"])
+    # Someone else (an operator, a split brain) takes the lease with a proper read-modify-write.
+    lease = await kube.get(LEASES, "controller", namespace=namespace)
+    lease["spec"]["holderIdentity"] = "intruder"
+    await kube.replace(LEASES, lease, namespace=namespace)
+    with pytest.raises(LeadershipLost):
+        async with asyncio.timeout(5):
+            await ta
+    assert log.stopped == ["a"]
+    assert not a.is_leader
+    lease = await kube.get(LEASES, "controller", namespace=namespace)
+    assert lease["spec"]["holderIdentity"] == "intruder", "a deposed leader must not release someone else's lease"
