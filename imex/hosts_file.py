@@ -158,7 +158,10 @@ def _write_atomically(path: Path, text: str) -> None:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
         mode = 0o644
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    except OSError as exc:
+        raise HostsFileError(f"cannot write {path}: {exc.strerror or exc}") from None
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as tmp_file:

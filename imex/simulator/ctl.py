@@ -29,7 +29,7 @@ class UnreachableError(Exception):
     pass
 
 
-async def _query(target: tuple[str, int] | str) -> dict[str, Any]:
+async def query_status(target: tuple[str, int] | str) -> dict[str, Any]:
     try:
         if isinstance(target, str):
             reader, writer = await asyncio.open_unix_connection(target)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("one of -q, -N, --sim-status is required")
     try:
         target = _target(args)
-        status = asyncio.run(asyncio.wait_for(_query(target), args.timeout_ms / 1000))
+        status = asyncio.run(asyncio.wait_for(query_status(target), args.timeout_ms / 1000))
     except (OSError, ImexConfigError) as exc:
         print(f"nvidia-imex-ctl (simulated): {exc}", file=sys.stderr)
         return 1
