@@ -38,8 +38,10 @@ class Faults:
     @classmethod
     def parse(cls, text: str) -> Faults:
         values: dict[str, object] = {}
-        for token in re.split(r"[\s,]+", text.strip()):
-            if not token or token.startswith("#"):
+        # '#' starts a comment that runs to the end of its line.
+        uncommented = " ".join(line.split("#", 1)[0] for line in text.splitlines())
+        for token in re.split(r"[\s,]+", uncommented.strip()):
+            if not token:
                 continue
             key, _, arg = token.partition("=")
             if key == "stall":
