@@ -2,10 +2,12 @@
 
 Commands:
   check-settings {controller,kubelet-plugin}   validate the env/flags as that process would, print them
+  controller [flags]                           run the ComputeDomain controller (flags mirror the env vars)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Sequence
@@ -44,6 +46,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = load_settings(_PROCESSES[rest[0]], rest[1:])
             print(json.dumps(describe(settings), indent=2, default=str))
             return 0
+        if command == "controller":
+            controller_settings = load_settings(ControllerSettings, rest)
+            # Imported here: check-settings must not need the Kubernetes client stack.
+            from computedomain.controller.app import configure_logging
+            from computedomain.controller.app import main as run_controller
+
+            configure_logging(controller_settings)
+            return asyncio.run(run_controller(controller_settings))
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,302 @@
+"""The controller process: caches, guard, leader election, work queue, workers, sweeps, HTTP, signals.
+
+Concurrency model (one asyncio event loop, no threads):
+
+* one task per informer (``caches``); their handlers only enqueue CD UIDs (or request a sweep for objects of
+  unknown domains) and return;
+* nothing else starts before every cache has synced; then the mode-switch guard runs (read-only, in every
+  replica) and may end the process;
+* with leader election on, the ``LeaderElector`` task campaigns; standbys keep warm caches and write nothing.
+  The leader's term runs the work queue (``WorkQueue[str]`` keyed by CD UID: deduplicated, never one key twice
+  at once, per-key backoff), ``WORKERS`` reconcile tasks and the orphan ``Sweeper``. Losing the lease cancels
+  them and ends the process (exit 1), so every term starts from clean memory;
+* SIGTERM/SIGINT cancel the main task: the term's work stops, the Lease is released (a standby takes over at
+  once), the process exits 0. SIGUSR2 writes every asyncio task's stack (and every thread's) to stderr;
+* an aiohttp server on ``HTTP_ENDPOINT`` serves ``/metrics`` (prometheus-client), ``/healthz`` (the loop
+  answers) and ``/readyz`` (caches synced and the guard passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import faulthandler
+import json
+import logging
+import signal
+import sys
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from computedomain.controller import guard
+from computedomain.controller.caches import Caches
+from computedomain.controller.executor import Reconciler, Sweeper, Writer
+from computedomain.kube.client import ClientConfig, KubeClient
+from computedomain.kube.events import EventRecorder
+from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
+from computedomain.kube.workqueue import WorkQueue, run_workers
+from computedomain.settings import ControllerSettings, describe
+
+log = logging.getLogger("computedomain.controller")
+
+WORKERS = 8
+SWEEP_PERIOD = 600.0
+QUEUE_NAME = "computedomain"
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_GUARD = 3
+
+
+# --- metrics: ComputeDomains by status, read from the CD cache at scrape time ----------------------------
+
+
+class _DomainStatusCollector(Collector):
+    def __init__(self) -> None:
+        self.caches: Caches | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        ours = GaugeMetricFamily("computedomain_compute_domains", "ComputeDomains by status.", labels=["status"])
+        # The reference driver's name, so existing dashboards keep working.
+        upstream = GaugeMetricFamily(
+            "nvidia_dra_compute_domain_info", "ComputeDomains by global status.", labels=["status"]
+        )
+        counts: Tally[str] = Tally({"Ready": 0, "NotReady": 0})
+        if self.caches is not None and self.caches.cds.synced:
+            for cd in self.caches.cds.list():
+                if cd.metadata.deletion_timestamp is not None:
+                    counts["Terminating"] += 1
+                elif cd.status is None:
+                    counts["Unknown"] += 1
+                else:
+                    counts[cd.status.status.value] += 1
+        for status, n in sorted(counts.items()):
+            ours.add_metric([status], n)
+            if status in ("Ready", "NotReady"):
+                upstream.add_metric([status], n)
+        yield ours
+        yield upstream
+
+
+DOMAIN_STATUS = _DomainStatusCollector()
+REGISTRY.register(DOMAIN_STATUS)
+
+
+# --- logging and stack dumps ---------------------------------------------------------------------------
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(settings: ControllerSettings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+
+
+def dump_tasks(stream: TextIO | None = None) -> None:
+    """Every asyncio task's stack, then every thread's (SIGUSR2)."""
+    out = stream or sys.stderr
+    tasks = asyncio.all_tasks()
+    print(f"=== {len(tasks)} asyncio tasks ===", file=out)
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        print(f"--- {task.get_name()}: {task.get_coro()!r}", file=out)
+        task.print_stack(file=out)
+    out.flush()
+    with contextlib.suppress(Exception):
+        faulthandler.dump_traceback(file=out, all_threads=True)
+
+
+# --- the process ---------------------------------------------------------------------------------------
+
+
+class Controller:
+    """One controller process (or an in-process instance in tests)."""
+
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        client: KubeClient,
+        *,
+        identity: str | None = None,
+        workers: int = WORKERS,
+        sweep_period: float = SWEEP_PERIOD,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.identity = identity or make_identity(settings.pod_name or None)
+        self.workers = workers
+        self.sweep_period = sweep_period
+        self.caches = Caches(client, settings)
+        self.recorder = EventRecorder(client, component="computedomain-controller", instance=self.identity)
+        self.ready = False
+        self.leading = False
+        self.queue: WorkQueue[str] | None = None
+        self.sweeper: Sweeper | None = None
+
+    async def run(self) -> None:
+        """Until cancelled (graceful stop), or raising ``ModeConflictError`` / ``LeadershipLost``."""
+        DOMAIN_STATUS.caches = self.caches
+        informers = [asyncio.create_task(i.run(), name=f"informer-{i.name}") for i in self.caches.informers()]
+        try:
+            await self.caches.wait_synced()
+            log.info("caches synced informers=%d", len(informers))
+            findings = guard.check(
+                self.settings.imex_mode, self.caches.cds.list(), self.caches.children(), self.caches.nodes.list()
+            )
+            if findings:
+                raise guard.ModeConflictError(self.settings.imex_mode, findings)
+            self.ready = True
+            if self.settings.leader_election_enabled:
+                elector = LeaderElector(
+                    self.client,
+                    namespace=self.settings.leader_election_namespace,
+                    name=self.settings.leader_election_name,
+                    identity=self.identity,
+                    lease_duration=self.settings.leader_election_lease_duration,
+                    renew_deadline=self.settings.leader_election_renew_deadline,
+                    retry_period=self.settings.leader_election_retry_period,
+                    on_started_leading=self._lead,
+                )
+                await elector.run()
+            else:
+                await self._lead()
+        finally:
+            self.ready = False
+            for task in informers:
+                task.cancel()
+            await asyncio.gather(*informers, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2.0):
+                    await self.recorder.aclose()
+            if DOMAIN_STATUS.caches is self.caches:
+                DOMAIN_STATUS.caches = None
+
+    async def _lead(self) -> None:
+        self.leading = True
+        log.info("leading identity=%s mode=%s", self.identity, self.settings.imex_mode.value)
+        queue: WorkQueue[str] = WorkQueue(QUEUE_NAME)
+        writer = Writer(self.client, self.caches, self.recorder)
+        sweeper = Sweeper(writer, period=self.sweep_period)
+        self.queue, self.sweeper = queue, sweeper
+        caches = self.caches
+
+        def on_uid(uid: str) -> None:
+            if caches.cd(uid) is not None:
+                queue.add(uid)
+            else:
+                sweeper.request()  # labelled for a domain we do not know: maybe an orphan
+
+        reconciler = Reconciler(
+            self.client, caches, self.settings, recorder=self.recorder, after_reconcile=sweeper.request
+        )
+        caches.add_handlers(on_uid)  # replays every cached object: every domain gets reconciled once
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(sweeper.run(), name="orphan-sweeper")
+                tg.create_task(run_workers(queue, reconciler.reconcile, workers=self.workers), name="workers")
+        finally:
+            queue.shutdown()
+            self.leading = False
+
+
+# --- HTTP ----------------------------------------------------------------------------------------------
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+async def start_http(controller: Controller, endpoint: str, metrics_path: str) -> web.AppRunner:
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(REGISTRY)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.Response:
+        state = {"ready": controller.ready, "leading": controller.leading, "identity": controller.identity}
+        return web.json_response(state, status=200 if controller.ready else 503)
+
+    app = web.Application()
+    if metrics_path:
+        app.router.add_get(metrics_path, metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, port = _parse_endpoint(endpoint)
+    await web.TCPSite(runner, host, port).start()
+    log.info("http serving endpoint=%s:%d metrics=%s", host, port, metrics_path or "(off)")
+    return runner
+
+
+async def main(settings: ControllerSettings) -> int:
+    """Run the controller until SIGTERM/SIGINT; the exit code says how it ended."""
+    loop = asyncio.get_running_loop()
+    current = asyncio.current_task()
+    assert current is not None
+    stopping = False
+
+    def stop() -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            log.info("signal received, shutting down")
+            current.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
+    settings_line: dict[str, Any] = describe(settings)
+    log.info("starting controller settings=%s", json.dumps(settings_line, default=str, sort_keys=True))
+    client = await KubeClient.connect(
+        kubeconfig=settings.kubeconfig or None,
+        config=ClientConfig(
+            qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager="computedomain-controller"
+        ),
+    )
+    controller = Controller(settings, client)
+    runner: web.AppRunner | None = None
+    try:
+        if settings.http_endpoint:
+            runner = await start_http(controller, settings.http_endpoint, settings.metrics_path)
+        await controller.run()
+        return EXIT_OK
+    except asyncio.CancelledError:
+        if not stopping:
+            raise
+        return EXIT_OK
+    except guard.ModeConflictError as exc:
+        log.error("%s", exc)
+        return EXIT_GUARD
+    except LeadershipLost as exc:
+        log.error("leadership lost, exiting: %s", exc)
+        return EXIT_FAILED
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await client.close()

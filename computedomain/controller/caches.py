@@ -1,0 +1,227 @@
+"""The controller's caches: one informer per (kind, scope), indexed by the CD UID they refer to.
+
+| cache | scope | selector | index ``cd`` |
+|---|---|---|---|
+| ComputeDomains | all namespaces | none | (index ``uid``) |
+| DaemonSets | each managed namespace | CD label exists | label value |
+| ResourceClaimTemplates | all namespaces (workload templates live in the CDs' namespaces) | CD label exists | label value |
+| Nodes | cluster | CD label exists | label value |
+| daemon Pods (driverManaged) | each managed namespace | CD label exists | label value |
+| ComputeDomainCliques (driverManaged, gate on) | each managed namespace | none | label, else name prefix |
+
+``observe(uid)`` assembles one domain's ``Observed`` from them, plus the children this process created that
+the caches have not shown yet (``note_created``): a domain deleted right after its children were created must
+not lose them to cache lag. Such a note is dropped as soon as the cache shows the object, or after
+``OVERLAY_TTL`` seconds. Reads are synchronous and only valid once ``wait_synced`` returned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
+from computedomain.api.models import ComputeDomain, ComputeDomainClique
+from computedomain.controller.observed import (
+    Child,
+    ChildKind,
+    NodeView,
+    Observed,
+    PodView,
+    clique_cd_uid,
+    decode_clique,
+    decode_compute_domain,
+    decode_daemonset,
+    decode_node,
+    decode_pod,
+    decode_template,
+)
+from computedomain.kube.client import (
+    COMPUTE_DOMAIN_CLIQUES,
+    COMPUTE_DOMAINS,
+    DAEMONSETS,
+    NODES,
+    PODS,
+    RESOURCE_CLAIM_TEMPLATES,
+    KubeClient,
+)
+from computedomain.kube.informer import Informer, wait_for_sync
+from computedomain.settings import ControllerSettings, FeatureGate
+
+OVERLAY_TTL = 60.0
+CD_INDEX = "cd"
+
+
+def _cd_label(obj: Child | NodeView | PodView) -> list[str]:
+    return [obj.cd_uid] if obj.cd_uid else []
+
+
+class Caches:
+    def __init__(self, client: KubeClient, settings: ControllerSettings) -> None:
+        self.settings = settings
+        self.cds: Informer[ComputeDomain] = Informer(
+            client, COMPUTE_DOMAINS, decode=decode_compute_domain, name="computedomains", indexers={"uid": _uid}
+        )
+        self.daemonsets: list[Informer[Child]] = [
+            Informer(
+                client,
+                DAEMONSETS,
+                namespace=ns,
+                label_selector=COMPUTE_DOMAIN_LABEL,
+                decode=decode_daemonset,
+                name=f"daemonsets/{ns}",
+                indexers={CD_INDEX: _cd_label},
+            )
+            for ns in settings.managed_namespaces
+        ]
+        self.templates: Informer[Child] = Informer(
+            client,
+            RESOURCE_CLAIM_TEMPLATES,
+            label_selector=COMPUTE_DOMAIN_LABEL,
+            decode=decode_template,
+            name="resourceclaimtemplates",
+            indexers={CD_INDEX: _cd_label},
+        )
+        self.nodes: Informer[NodeView] = Informer(
+            client,
+            NODES,
+            label_selector=COMPUTE_DOMAIN_LABEL,
+            decode=decode_node,
+            name="nodes",
+            indexers={CD_INDEX: _cd_label},
+        )
+        self.pods: list[Informer[PodView]] = []
+        self.cliques: list[Informer[ComputeDomainClique]] = []
+        if not settings.host_managed:
+            self.pods = [
+                Informer(
+                    client,
+                    PODS,
+                    namespace=ns,
+                    label_selector=COMPUTE_DOMAIN_LABEL,
+                    decode=decode_pod,
+                    name=f"pods/{ns}",
+                    indexers={CD_INDEX: _cd_label},
+                )
+                for ns in settings.managed_namespaces
+            ]
+            if settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES):
+                self.cliques = [
+                    Informer(
+                        client,
+                        COMPUTE_DOMAIN_CLIQUES,
+                        namespace=ns,
+                        decode=decode_clique,
+                        name=f"computedomaincliques/{ns}",
+                        indexers={CD_INDEX: lambda c: [clique_cd_uid(c)]},
+                    )
+                    for ns in settings.managed_namespaces
+                ]
+        # Children created by this process and not yet seen by a cache: key -> (child, monotonic time).
+        self._created: dict[tuple[ChildKind, str, str], tuple[Child, float]] = {}
+        for informer in (*self.daemonsets, self.templates):
+            informer.add_handler(on_add=self._seen, on_update=lambda _old, new: self._seen(new), on_delete=self._seen)
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def informers(self) -> list[Informer[Any]]:
+        return [self.cds, *self.daemonsets, self.templates, self.nodes, *self.pods, *self.cliques]
+
+    async def wait_synced(self, within: float | None = None) -> None:
+        await wait_for_sync(*self.informers(), within=within)
+
+    @property
+    def synced(self) -> bool:
+        return all(i.synced for i in self.informers())
+
+    # ---- own writes ----------------------------------------------------------------------------------
+
+    def note_created(self, child: Child) -> None:
+        self._created[child.key] = (child, time.monotonic())
+
+    def _seen(self, child: Child) -> None:
+        self._created.pop(child.key, None)
+
+    def _pending(self, uid: str) -> Iterator[Child]:
+        now = time.monotonic()
+        for key, (child, at) in list(self._created.items()):
+            if now - at > OVERLAY_TTL:
+                del self._created[key]
+            elif child.cd_uid == uid:
+                yield child
+
+    # ---- reads ---------------------------------------------------------------------------------------
+
+    def cd(self, uid: str) -> ComputeDomain | None:
+        found = self.cds.by_index("uid", uid)
+        return found[0] if found else None
+
+    def known_uids(self) -> set[str]:
+        return set(self.cds.index_values("uid"))
+
+    def children(self, uid: str | None = None) -> list[Child]:
+        informers = [*self.daemonsets, self.templates]
+        if uid is None:
+            return [c for i in informers for c in i.list()]
+        return [c for i in informers for c in i.by_index(CD_INDEX, uid)]
+
+    def all_cliques(self) -> list[ComputeDomainClique]:
+        return [c for i in self.cliques for c in i.list()]
+
+    def observe(self, uid: str) -> Observed | None:
+        """The snapshot for one domain; None when the CD cache does not have it (which proves nothing)."""
+        cd = self.cd(uid)
+        if cd is None:
+            return None
+        children = {c.key: c for c in self.children(uid)}
+        for child in self._pending(uid):
+            children.setdefault(child.key, child)
+        return Observed(
+            cd=cd,
+            children=tuple(sorted(children.values(), key=lambda c: c.key)),
+            labelled_nodes=tuple(sorted(self.nodes.by_index(CD_INDEX, uid), key=lambda n: n.name)),
+            cliques=tuple(c for i in self.cliques for c in i.by_index(CD_INDEX, uid)),
+            pods=tuple(p for i in self.pods for p in i.by_index(CD_INDEX, uid)),
+        )
+
+    def add_handlers(self, on_uid: Callable[[str], None]) -> None:
+        """Route every event to ``on_uid(cd_uid)``: CD events by their UID, others by their CD label."""
+
+        def cd_event(cd: ComputeDomain) -> None:
+            on_uid(cd.uid)
+
+        self.cds.add_handler(on_add=cd_event, on_update=lambda _o, n: cd_event(n))
+        labelled: list[Informer[Child] | Informer[NodeView] | Informer[PodView]] = [
+            *self.daemonsets,
+            self.templates,
+            self.nodes,
+            *self.pods,
+        ]
+        for informer in labelled:
+            informer.add_handler(
+                on_add=lambda o: _route(o.cd_uid, on_uid),
+                on_update=lambda old, new: _route_both(old.cd_uid, new.cd_uid, on_uid),
+                on_delete=lambda o: _route(o.cd_uid, on_uid),
+            )
+        for informer_c in self.cliques:
+            informer_c.add_handler(
+                on_add=lambda c: _route(clique_cd_uid(c), on_uid),
+                on_update=lambda _o, n: _route(clique_cd_uid(n), on_uid),
+                on_delete=lambda c: _route(clique_cd_uid(c), on_uid),
+            )
+
+
+def _uid(cd: ComputeDomain) -> list[str]:
+    return [cd.uid]
+
+
+def _route(uid: str, on_uid: Callable[[str], None]) -> None:
+    if uid:
+        on_uid(uid)
+
+
+def _route_both(old: str, new: str, on_uid: Callable[[str], None]) -> None:
+    _route(new, on_uid)
+    if old != new:
+        _route(old, on_uid)

@@ -1,0 +1,113 @@
+"""The per-domain IMEX daemon DaemonSet, as a pure builder (SPEC section 4, reference section 2.3).
+
+``computedomain-daemon-<cdUID>`` in the driver namespace. Its pods land only on nodes that carry the CD
+label with this domain's UID (the node agent sets it when it prepares a channel claim), tolerate every taint,
+claim a daemon device from the daemon template, and learn who they are from the downward API. The DaemonSet
+is never updated after creation (as upstream): daemons of a running domain are not rolled.
+
+Each domain gets its own DNS hostname prefix (``IMEX_HOSTNAME_PREFIX``), so that two domains never share
+peer names even when pod IPs are reused (upstream #1447). It is derived from the CD UID exactly as the
+daemon's ``imex.config.hostname_prefix`` derives it, so either side may compute it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL
+from computedomain.api.models import ComputeDomain
+from computedomain.controller.claim_templates import daemon_object_name
+from computedomain.settings import ControllerSettings
+
+CONTAINER_NAME = "compute-domain-daemon"
+CLAIM_NAME = "compute-domain-daemon"
+SERVICE_ACCOUNT = "compute-domain-daemon-service-account"
+HOSTNAME_PREFIX_BASE = "compute-domain-daemon"
+DAEMON_COMMAND = ("python", "-m", "imex", "daemon", "run")
+CHECK_COMMAND = ("python", "-m", "imex", "daemon", "check")
+
+
+def hostname_prefix(cd_uid: str) -> str:
+    """``compute-domain-daemon-<uid as 32 hex digits>``: unique per domain, a valid DNS label with the
+    ``-NNNN`` slot suffix (59 characters)."""
+    return f"{HOSTNAME_PREFIX_BASE}-{uuid.UUID(cd_uid).hex}"
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _probe(period: int, failures: int) -> dict[str, Any]:
+    return {
+        "exec": {"command": list(CHECK_COMMAND)},
+        "initialDelaySeconds": 0,
+        "periodSeconds": period,
+        "timeoutSeconds": 10,
+        "successThreshold": 1,
+        "failureThreshold": failures,
+    }
+
+
+def daemon_env(cd: ComputeDomain, settings: ControllerSettings) -> list[dict[str, Any]]:
+    return [
+        _field_env("NODE_NAME", "spec.nodeName"),
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("POD_UID", "metadata.uid"),
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        {"name": "COMPUTE_DOMAIN_UUID", "value": cd.uid},
+        {"name": "COMPUTE_DOMAIN_NAME", "value": cd.metadata.name},
+        {"name": "COMPUTE_DOMAIN_NAMESPACE", "value": cd.metadata.namespace},
+        {"name": "IMEX_HOSTNAME_PREFIX", "value": hostname_prefix(cd.uid)},
+        {"name": "FEATURE_GATES", "value": settings.feature_gates.render()},
+        {"name": "LOG_LEVEL", "value": settings.daemon_log_level},
+        {"name": "MAX_NODES_PER_IMEX_DOMAIN", "value": str(settings.max_nodes_per_imex_domain)},
+        # Keep the NVIDIA container runtime from injecting every GPU into the daemon (upstream #402).
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+    ]
+
+
+def daemonset(cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]:
+    name = daemon_object_name(cd.uid)
+    selector = {COMPUTE_DOMAIN_LABEL: cd.uid}
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": SERVICE_ACCOUNT,
+        "nodeSelector": dict(selector),
+        # Daemons must run wherever the workload runs, whatever the node's taints (upstream #305).
+        "tolerations": [
+            {"operator": "Exists", "effect": effect} for effect in ("NoSchedule", "NoExecute", "PreferNoSchedule")
+        ],
+        # Peer names resolve through /etc/hosts; keep search-domain lookups from flooding DNS (upstream #1447).
+        "dnsConfig": {"options": [{"name": "ndots", "value": "1"}]},
+        "containers": [
+            {
+                "name": CONTAINER_NAME,
+                "image": settings.image_name,
+                "command": list(DAEMON_COMMAND),
+                "env": daemon_env(cd, settings),
+                # Tolerant startup (IMEX may wait ~20 min for peers), strict readiness.
+                "startupProbe": _probe(period=1, failures=1200),
+                "livenessProbe": _probe(period=60, failures=20),
+                "readinessProbe": _probe(period=10, failures=1),
+                "resources": {"claims": [{"name": CLAIM_NAME}]},
+            }
+        ],
+        "resourceClaims": [{"name": CLAIM_NAME, "resourceClaimTemplateName": name}],
+    }
+    if settings.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in settings.pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {
+            "name": name,
+            "namespace": settings.namespace,
+            "labels": dict(selector),
+            "finalizers": [COMPUTE_DOMAIN_FINALIZER],
+        },
+        "spec": {
+            "selector": {"matchLabels": dict(selector)},
+            "template": {"metadata": {"labels": dict(selector)}, "spec": pod_spec},
+        },
+    }

@@ -1,0 +1,95 @@
+"""The mode-switch guard: refuse to start in a mode that contradicts the ComputeDomains already there.
+
+Switching ``IMEX_MODE`` while domains exist is unsupported (upstream documents it and enforces nothing; the
+result is stuck DaemonSets or workloads that expect daemons which never come). After the caches have synced
+and before any write, the controller checks every **live** (not terminating) domain:
+
+* starting **hostManaged**, a domain contradicts if it shows driverManaged setup: a daemon DaemonSet or a
+  daemon ResourceClaimTemplate labelled with its UID, or a Node carrying its CD label (daemons were
+  scheduled for it);
+* starting **driverManaged**, a domain contradicts if it was set up hostManaged: our finalizer and a
+  workload template labelled with its UID, but neither a daemon DaemonSet nor a daemon template. A
+  driverManaged controller never leaves that state behind: it creates the daemon objects before the workload
+  template and tears the workload template down first.
+
+Terminating domains never contradict: the teardown in ``reconcile`` is the same in both modes and removes
+whatever children exist. Objects of domains that are gone are orphans for the sweep, not for the guard.
+If anything contradicts, the process exits with a message naming each domain and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER
+from computedomain.api.models import ComputeDomain
+from computedomain.controller.observed import Child, ChildKind, NodeView
+from computedomain.settings import ImexMode
+
+MAX_NAMED = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    namespace: str
+    name: str
+    uid: str
+    evidence: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} ({self.evidence})"
+
+
+class ModeConflictError(RuntimeError):
+    """Raised at startup when existing ComputeDomains were set up under the other IMEX mode."""
+
+    def __init__(self, mode: ImexMode, findings: list[Finding]) -> None:
+        self.mode = mode
+        self.findings = findings
+        super().__init__(refusal_message(mode, findings))
+
+
+def check(
+    mode: ImexMode, cds: Iterable[ComputeDomain], children: Iterable[Child], nodes: Iterable[NodeView]
+) -> list[Finding]:
+    by_uid: dict[str, set[ChildKind]] = {}
+    for child in children:
+        by_uid.setdefault(child.cd_uid, set()).add(child.kind)
+    labelled: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.cd_uid:
+            labelled.setdefault(node.cd_uid, []).append(node.name)
+    findings: list[Finding] = []
+    for cd in sorted(cds, key=lambda c: (c.metadata.namespace, c.metadata.name)):
+        if cd.metadata.deletion_timestamp is not None:
+            continue
+        kinds = by_uid.get(cd.uid, set())
+        evidence = ""
+        if mode is ImexMode.HOST_MANAGED:
+            found = sorted(k.value for k in kinds & {ChildKind.DAEMONSET, ChildKind.DAEMON_TEMPLATE})
+            if cd.uid in labelled:
+                found.append(f"node label on {', '.join(sorted(labelled[cd.uid]))}")
+            evidence = ", ".join(found)
+        elif (
+            ChildKind.WORKLOAD_TEMPLATE in kinds
+            and not kinds & {ChildKind.DAEMONSET, ChildKind.DAEMON_TEMPLATE}
+            and COMPUTE_DOMAIN_FINALIZER in cd.metadata.finalizers
+        ):
+            evidence = "workload template without daemon DaemonSet or daemon template"
+        if evidence:
+            findings.append(Finding(cd.metadata.namespace, cd.metadata.name, cd.uid, evidence))
+    return findings
+
+
+def refusal_message(mode: ImexMode, findings: list[Finding]) -> str:
+    other = ImexMode.DRIVER_MANAGED if mode is ImexMode.HOST_MANAGED else ImexMode.HOST_MANAGED
+    named = "; ".join(str(f) for f in findings[:MAX_NAMED])
+    if len(findings) > MAX_NAMED:
+        named += f"; and {len(findings) - MAX_NAMED} more"
+    return (
+        f"refusing to start with IMEX_MODE={mode.value}: {len(findings)} ComputeDomain(s) were set up in "
+        f"{other.value} mode: {named}. Switching modes while ComputeDomains exist is unsupported: drain their "
+        f"workloads and delete them (a controller in {other.value} mode tears them down), or start in "
+        f"{other.value} mode"
+    )

@@ -1,0 +1,193 @@
+"""What the controller reads: small frozen projections of foreign objects and the per-domain snapshot.
+
+Projections are decoded from raw JSON (never through generated client models) and keep only what the
+reconcile needs. ``Observed`` is everything one reconcile of one ComputeDomain looks at; it is built from the
+synced caches by the executor and handed to the pure planner in ``reconcile``. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from computedomain.api.constants import (
+    CLIQUE_LABEL,
+    COMPUTE_DOMAIN_FINALIZER,
+    COMPUTE_DOMAIN_LABEL,
+    TEMPLATE_TARGET_DAEMON,
+    TEMPLATE_TARGET_LABEL,
+    TEMPLATE_TARGET_WORKLOAD,
+)
+from computedomain.api.models import ComputeDomain, ComputeDomainClique
+
+Raw = Mapping[str, Any]
+
+
+class ChildKind(StrEnum):
+    """The three kinds of object the controller creates per domain."""
+
+    DAEMONSET = "DaemonSet"
+    DAEMON_TEMPLATE = "DaemonTemplate"
+    WORKLOAD_TEMPLATE = "WorkloadTemplate"
+
+
+def _meta(raw: Raw) -> Mapping[str, Any]:
+    meta = raw.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _labels(meta: Mapping[str, Any]) -> Mapping[str, str]:
+    labels = meta.get("labels")
+    return dict(labels) if isinstance(labels, Mapping) else {}
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """A DaemonSet or ResourceClaimTemplate that carries the CD label (ours, or an older version's)."""
+
+    kind: ChildKind
+    namespace: str
+    name: str
+    uid: str
+    resource_version: str
+    cd_uid: str
+    finalizers: tuple[str, ...] = ()
+    terminating: bool = False
+
+    @property
+    def key(self) -> tuple[ChildKind, str, str]:
+        return (self.kind, self.namespace, self.name)
+
+    @property
+    def has_our_finalizer(self) -> bool:
+        return COMPUTE_DOMAIN_FINALIZER in self.finalizers
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.namespace}/{self.name}"
+
+
+def child_kind(raw: Raw) -> ChildKind | None:
+    """Which child kind a raw DaemonSet/ResourceClaimTemplate is; None for a template of neither target."""
+    if raw.get("kind") == "DaemonSet":
+        return ChildKind.DAEMONSET
+    target = _labels(_meta(raw)).get(TEMPLATE_TARGET_LABEL)
+    if target == TEMPLATE_TARGET_DAEMON:
+        return ChildKind.DAEMON_TEMPLATE
+    if target == TEMPLATE_TARGET_WORKLOAD:
+        return ChildKind.WORKLOAD_TEMPLATE
+    return None
+
+
+def decode_child(raw: Raw, kind: ChildKind | None = None) -> Child:
+    meta = _meta(raw)
+    resolved = kind or child_kind(raw) or ChildKind.WORKLOAD_TEMPLATE
+    return Child(
+        kind=resolved,
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta.get("name") or ""),
+        uid=str(meta.get("uid") or ""),
+        resource_version=str(meta.get("resourceVersion") or ""),
+        cd_uid=_labels(meta).get(COMPUTE_DOMAIN_LABEL, ""),
+        finalizers=tuple(meta.get("finalizers") or ()),
+        terminating=bool(meta.get("deletionTimestamp")),
+    )
+
+
+def decode_daemonset(raw: Raw) -> Child:
+    return decode_child(raw, ChildKind.DAEMONSET)
+
+
+def decode_template(raw: Raw) -> Child:
+    """ResourceClaimTemplates: the target label decides; an unlabelled one counts as a workload template."""
+    return decode_child(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """A daemon pod, as far as status aggregation cares."""
+
+    namespace: str
+    name: str
+    cd_uid: str
+    node_name: str
+    pod_ip: str
+    ready: bool
+    # None: the daemon has not labelled its pod yet (counts as a fabric pod); "": explicitly no clique.
+    clique_id: str | None
+    terminating: bool = False
+
+    @property
+    def non_fabric(self) -> bool:
+        return self.clique_id == ""
+
+
+def decode_pod(raw: Raw) -> PodView:
+    meta = _meta(raw)
+    labels = _labels(meta)
+    spec = raw.get("spec") or {}
+    status = raw.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or () if c)
+    return PodView(
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta.get("name") or ""),
+        cd_uid=labels.get(COMPUTE_DOMAIN_LABEL, ""),
+        node_name=str(spec.get("nodeName") or ""),
+        pod_ip=str(status.get("podIP") or ""),
+        ready=ready,
+        clique_id=labels.get(CLIQUE_LABEL),
+        terminating=bool(meta.get("deletionTimestamp")),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    name: str
+    resource_version: str
+    cd_uid: str  # value of the CD label; "" if absent
+
+
+def decode_node(raw: Raw) -> NodeView:
+    meta = _meta(raw)
+    return NodeView(
+        name=str(meta.get("name") or ""),
+        resource_version=str(meta.get("resourceVersion") or ""),
+        cd_uid=_labels(meta).get(COMPUTE_DOMAIN_LABEL, ""),
+    )
+
+
+def decode_compute_domain(raw: Raw) -> ComputeDomain:
+    return ComputeDomain.model_validate(raw)
+
+
+def decode_clique(raw: Raw) -> ComputeDomainClique:
+    return ComputeDomainClique.model_validate(raw)
+
+
+def clique_cd_uid(clique: ComputeDomainClique) -> str:
+    """The CD a clique belongs to: its label, else the `<cdUID>.<cliqueID>` name."""
+    return clique.metadata.labels.get(COMPUTE_DOMAIN_LABEL) or clique.metadata.name.partition(".")[0]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one reconcile of one ComputeDomain looks at (from synced caches plus own writes)."""
+
+    cd: ComputeDomain
+    children: tuple[Child, ...] = ()
+    labelled_nodes: tuple[NodeView, ...] = ()
+    cliques: tuple[ComputeDomainClique, ...] = ()
+    pods: tuple[PodView, ...] = ()
+    # Set when creating the workload template failed because a foreign object holds its name.
+    template_name_conflict: str = ""
+
+    def of_kind(self, kind: ChildKind) -> tuple[Child, ...]:
+        return tuple(c for c in self.children if c.kind is kind)
+
+    def with_child(self, child: Child) -> Observed:
+        rest = tuple(c for c in self.children if c.key != child.key)
+        return replace(self, children=(*rest, child))
+
+    def without_child(self, key: tuple[ChildKind, str, str]) -> Observed:
+        return replace(self, children=tuple(c for c in self.children if c.key != key))

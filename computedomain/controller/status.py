@@ -1,0 +1,193 @@
+"""The ComputeDomain's status: one pure aggregation, one writer (the reconcile of that domain).
+
+Where the entries come from (driverManaged):
+
+* with ``ComputeDomainCliques`` on (the default): every daemon entry of the domain's ComputeDomainClique
+  objects, plus one entry per **non-fabric** daemon pod (clique label present and empty; such daemons run no
+  IMEX and may not register in a clique) with ``index -1`` and the pod's readiness. A pod without the clique
+  label has not labelled itself yet and counts as a fabric pod (upstream ca48d876);
+* with the gate off the daemons write ``status.nodes`` themselves; the controller keeps their entries as they
+  are and only derives the global status and the condition from them.
+
+Global status (SPEC section 4): ``NotReady`` while fewer entries than ``spec.numNodes`` or any entry is
+``NotReady``, else ``Ready`` (so ``numNodes: 0`` with no daemons is Ready). hostManaged: ``Ready`` once the
+workload template exists, ``nodes`` never filled. The ``Ready`` condition carries a reason and a message
+that says why, e.g. "2 of 4 daemons ready; node gb-7: NotReady".
+
+``status_differs`` decides whether a write is needed: node lists compare as maps keyed by name, the
+condition by everything but its timestamp. ``transition_events`` says which Events a change deserves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from computedomain.api.models import (
+    ComputeDomain,
+    ComputeDomainClique,
+    ComputeDomainNode,
+    ComputeDomainStatus,
+    Condition,
+    ConditionStatus,
+    ReadyStatus,
+)
+from computedomain.controller.observed import PodView
+
+READY_CONDITION = "Ready"
+MAX_LISTED_NODES = 5
+
+# Reasons of the Ready condition.
+REASON_READY = "DaemonsReady"
+REASON_NO_DAEMONS = "NoDaemonsExpected"
+REASON_WAITING = "WaitingForDaemons"
+REASON_NOT_READY = "DaemonsNotReady"
+REASON_HOST_MANAGED = "HostManaged"
+REASON_CREATING = "CreatingObjects"
+REASON_TEMPLATE_CONFLICT = "TemplateNameConflict"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    status: ReadyStatus
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class EventSpec:
+    """An Event to record on the ComputeDomain."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def node_entries(cliques: Iterable[ComputeDomainClique], pods: Iterable[PodView]) -> list[ComputeDomainNode]:
+    """The ``status.nodes`` list from clique entries and non-fabric daemon pods, sorted for stable output."""
+    entries: dict[str, ComputeDomainNode] = {}
+    for clique in sorted(cliques, key=lambda c: c.metadata.name):
+        for d in clique.daemons or ():
+            entries[d.node_name] = ComputeDomainNode(
+                name=d.node_name, ip_address=d.ip_address, clique_id=d.clique_id, index=d.index, status=d.status
+            )
+    for pod in pods:
+        if not pod.non_fabric or pod.terminating or not pod.node_name or not pod.pod_ip:
+            continue
+        if pod.node_name in entries:
+            continue  # the daemon registered itself; its own entry wins
+        entries[pod.node_name] = ComputeDomainNode(
+            name=pod.node_name,
+            ip_address=pod.pod_ip,
+            clique_id="",
+            index=-1,
+            status=ReadyStatus.READY if pod.ready else ReadyStatus.NOT_READY,
+        )
+    return sorted(entries.values(), key=lambda n: (n.clique_id, n.index, n.name))
+
+
+def _listed(names: Sequence[str], what: str) -> str:
+    shown = [f"node {n}: {what}" for n in names[:MAX_LISTED_NODES]]
+    if len(names) > MAX_LISTED_NODES:
+        shown.append(f"and {len(names) - MAX_LISTED_NODES} more")
+    return ", ".join(shown)
+
+
+def assess(nodes: Sequence[ComputeDomainNode], num_nodes: int) -> Verdict:
+    """The global status of a driverManaged domain and the words that explain it."""
+    total = len(nodes)
+    ready = sum(1 for n in nodes if n.status is ReadyStatus.READY)
+    not_ready = [n.name for n in nodes if n.status is not ReadyStatus.READY]
+    detail = f"; {_listed(not_ready, 'NotReady')}" if not_ready else ""
+    if total < num_nodes:
+        return Verdict(
+            ReadyStatus.NOT_READY,
+            REASON_WAITING,
+            f"{total} of {num_nodes} expected daemons registered (spec.numNodes), {ready} ready{detail}",
+        )
+    if not_ready:
+        return Verdict(ReadyStatus.NOT_READY, REASON_NOT_READY, f"{ready} of {total} daemons ready{detail}")
+    if total == 0:
+        return Verdict(
+            ReadyStatus.READY,
+            REASON_NO_DAEMONS,
+            "no daemons registered yet and spec.numNodes is 0; daemons start on the nodes where workload "
+            "pods get their channel, and each pod waits for its local daemon",
+        )
+    return Verdict(ReadyStatus.READY, REASON_READY, f"{ready} of {total} daemons ready")
+
+
+def host_managed_verdict(template_name: str) -> Verdict:
+    return Verdict(
+        ReadyStatus.READY,
+        REASON_HOST_MANAGED,
+        f"ResourceClaimTemplate {template_name} exists; IMEX runs on the hosts (hostManaged), and the host "
+        "daemon's readiness is checked per claim when a pod's channel is prepared",
+    )
+
+
+def conflict_verdict(detail: str) -> Verdict:
+    return Verdict(ReadyStatus.NOT_READY, REASON_TEMPLATE_CONFLICT, detail)
+
+
+def build_status(
+    cd: ComputeDomain, verdict: Verdict, nodes: Sequence[ComputeDomainNode], now: datetime
+) -> ComputeDomainStatus:
+    """The status to write; the condition keeps its transition time while its status does not change."""
+    old = current_condition(cd)
+    cond_status = ConditionStatus.TRUE if verdict.status is ReadyStatus.READY else ConditionStatus.FALSE
+    since = old.last_transition_time if old is not None and old.status is cond_status else now
+    condition = Condition(
+        type=READY_CONDITION,
+        status=cond_status,
+        observed_generation=cd.metadata.generation or None,
+        last_transition_time=since,
+        reason=verdict.reason,
+        message=verdict.message,
+    )
+    others = [c for c in (cd.status.conditions or ()) if c.type != READY_CONDITION] if cd.status else []
+    return ComputeDomainStatus(status=verdict.status, nodes=list(nodes) or None, conditions=[*others, condition])
+
+
+def current_condition(cd: ComputeDomain) -> Condition | None:
+    if cd.status is None:
+        return None
+    return next((c for c in cd.status.conditions or () if c.type == READY_CONDITION), None)
+
+
+def _cond_key(c: Condition | None) -> tuple[object, ...] | None:
+    if c is None:
+        return None
+    return (c.status, c.reason, c.message, c.observed_generation)
+
+
+def status_differs(current: ComputeDomainStatus | None, desired: ComputeDomainStatus) -> bool:
+    if current is None:
+        return True
+    if current.status is not desired.status:
+        return True
+    cur_nodes = {n.name: n for n in current.nodes or ()}
+    new_nodes = {n.name: n for n in desired.nodes or ()}
+    if cur_nodes != new_nodes:
+        return True
+    cur = {c.type: _cond_key(c) for c in current.conditions or ()}
+    new = {c.type: _cond_key(c) for c in desired.conditions or ()}
+    return cur != new
+
+
+def transition_events(cd: ComputeDomain, desired: ComputeDomainStatus) -> list[EventSpec]:
+    """Events a user should see for this change: readiness flips and newly appearing problems."""
+    old = current_condition(cd)
+    new = next((c for c in desired.conditions or () if c.type == READY_CONDITION), None)
+    if new is None:
+        return []
+    events: list[EventSpec] = []
+    if old is None or old.status is not new.status:
+        if new.status is ConditionStatus.TRUE:
+            events.append(EventSpec("Normal", "Ready", new.message))
+        elif old is not None or new.reason == REASON_TEMPLATE_CONFLICT:
+            events.append(EventSpec("Warning", "NotReady", new.message))
+    elif new.reason != old.reason and new.reason == REASON_TEMPLATE_CONFLICT:
+        events.append(EventSpec("Warning", "NotReady", new.message))
+    return events
