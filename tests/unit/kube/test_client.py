@@ -1,0 +1,166 @@
+"""The client's request core against a tiny local HTTP server: error mapping, call-level retries
+(Transient and 429 with Retry-After), no retries for NotFound/Conflict, connection errors, paths."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import AsyncIterator
+from urllib.parse import parse_qs
+
+import pytest
+from aiohttp import web
+from kubernetes_asyncio.client import ApiClient, Configuration
+
+from computedomain.kube import errors
+from computedomain.kube.client import (
+    COMPUTE_DOMAINS,
+    NODES,
+    PODS,
+    ClientConfig,
+    KubeClient,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def status(code: int, reason: str, message: str) -> web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason}
+    body["message"] = message
+    return web.json_response(body, status=code)
+
+
+class FakeAPI:
+    def __init__(self) -> None:
+        self.responses: list[web.Response] = []
+        self.requests: list[tuple[str, str, str, bytes]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.requests.append((request.method, request.path_qs, request.headers.get("Content-Type", ""), body))
+        if self.responses:
+            return self.responses.pop(0)
+        return web.json_response({"metadata": {"name": "x", "resourceVersion": "7"}})
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[tuple[FakeAPI, KubeClient]]:
+    fake = FakeAPI()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", fake.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = KubeClient(
+        ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{port}")),
+        config=ClientConfig(max_attempts=4, backoff_base=0.001, backoff_cap=0.01, deadline=5.0, qps=0),
+        rng=random.Random(3),
+    )
+    try:
+        yield fake, client
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_paths_queries_and_content_types(api: tuple[FakeAPI, KubeClient]) -> None:
+    fake, client = api
+    await client.get(PODS, "p", namespace="ns")
+    await client.list(COMPUTE_DOMAINS, label_selector="a=b,c in (d)", limit=10)
+    await client.merge_patch(NODES, "n1", {"metadata": {"labels": {"x": None}}})
+    await client.apply(COMPUTE_DOMAINS, {"metadata": {"name": "cd", "namespace": "ns"}}, force=True)
+    await client.delete(PODS, "p", namespace="ns", uid="u1", propagation_policy="Background")
+    methods = [(m, p) for m, p, _, _ in fake.requests]
+    assert methods[0] == ("GET", "/api/v1/namespaces/ns/pods/p")
+    path, _, query = methods[1][1].partition("?")
+    assert path == "/apis/resource.nvidia.com/v1beta1/computedomains"
+    assert parse_qs(query) == {"labelSelector": ["a=b,c in (d)"], "limit": ["10"]}
+    assert methods[2] == ("PATCH", "/api/v1/nodes/n1?fieldManager=computedomain")
+    assert fake.requests[2][2] == "application/merge-patch+json"
+    assert json.loads(fake.requests[2][3]) == {"metadata": {"labels": {"x": None}}}
+    assert methods[3] == (
+        "PATCH",
+        "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains/cd?fieldManager=computedomain&force=true",
+    )
+    assert fake.requests[3][2] == "application/apply-patch+yaml"
+    assert methods[4] == ("DELETE", "/api/v1/namespaces/ns/pods/p")
+    assert json.loads(fake.requests[4][3])["preconditions"] == {"uid": "u1"}
+
+
+async def test_transient_errors_are_retried_then_succeed(api: tuple[FakeAPI, KubeClient]) -> None:
+    fake, client = api
+    fake.responses = [status(503, "ServiceUnavailable", "etcd leader changed"), status(500, "InternalError", "x")]
+    out = await client.get(PODS, "p", namespace="ns")
+    assert out["metadata"]["resourceVersion"] == "7"
+    assert len(fake.requests) == 3
+
+
+async def test_retries_run_out_with_the_last_error(api: tuple[FakeAPI, KubeClient]) -> None:
+    fake, client = api
+    fake.responses = [status(503, "ServiceUnavailable", f"try {i}") for i in range(10)]
+    with pytest.raises(errors.Transient, match="try 3"):
+        await client.get(PODS, "p", namespace="ns")
+    assert len(fake.requests) == 4
+
+
+async def test_too_many_requests_honours_retry_after(api: tuple[FakeAPI, KubeClient]) -> None:
+    fake, client = api
+    throttled = status(429, "TooManyRequests", "APF")
+    throttled.headers["Retry-After"] = "1"
+    fake.responses = [throttled]
+    loop_time = __import__("asyncio").get_running_loop().time
+    start = loop_time()
+    await client.get(PODS, "p", namespace="ns")
+    assert loop_time() - start >= 1.0
+    assert len(fake.requests) == 2
+
+
+async def test_retry_after_longer_than_the_deadline_is_raised_to_the_caller(api: tuple[FakeAPI, KubeClient]) -> None:
+    fake, client = api
+    throttled = status(429, "TooManyRequests", "APF")
+    throttled.headers["Retry-After"] = "30"
+    fake.responses = [throttled]
+    with pytest.raises(errors.TooManyRequests) as exc:
+        await client.get(PODS, "p", namespace="ns")
+    assert exc.value.retry_after == 30.0
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "cls"),
+    [(404, "NotFound", errors.NotFound), (409, "Conflict", errors.Conflict), (422, "Invalid", errors.Invalid)],
+)
+async def test_caller_errors_are_not_retried(
+    api: tuple[FakeAPI, KubeClient], code: int, reason: str, cls: type[errors.KubeError]
+) -> None:
+    fake, client = api
+    fake.responses = [status(code, reason, "nope")]
+    with pytest.raises(cls):
+        await client.get(PODS, "p", namespace="ns")
+    assert len(fake.requests) == 1
+
+
+async def test_connection_refused_is_transient() -> None:
+    client = KubeClient(
+        ApiClient(configuration=Configuration(host="http://127.0.0.1:1")),
+        config=ClientConfig(max_attempts=2, backoff_base=0.001, timeout=2.0, deadline=5.0),
+    )
+    try:
+        with pytest.raises(errors.Transient):
+            await client.get(PODS, "x", namespace="default")
+    finally:
+        await client.close()
+
+
+def test_resource_paths_validate_scope() -> None:
+    assert PODS.path(namespace="ns") == "/api/v1/namespaces/ns/pods"
+    assert PODS.path() == "/api/v1/pods"
+    assert COMPUTE_DOMAINS.path(namespace="ns", name="cd", subresource="status") == (
+        "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains/cd/status"
+    )
+    with pytest.raises(ValueError, match="namespaced"):
+        PODS.path(name="p")
+    with pytest.raises(ValueError, match="cluster-scoped"):
+        NODES.path(namespace="ns", name="n")
