@@ -1,0 +1,253 @@
+"""The ``run`` command: the life of one compute-domain daemon, from its pod label to SIGTERM.
+
+Sequence:
+
+1. Validate the identity (CD UID from CDI, pod identity from the downward API); connect to the apiserver.
+2. Label our own pod ``resource.nvidia.com/computeDomain.cliqueID=<CLIQUE_ID>`` (JSON merge patch). The value
+   is empty on a node without NVLink fabric: that label *is* such a node's registration. It cannot have a
+   ComputeDomainClique (``<uid>.`` is no valid name), so the controller reports it from the pod (IP, Ready
+   condition, no index), as upstream does; ``check`` succeeds there, so the pod turns Ready and counts as
+   ready. Such a daemon runs no IMEX and writes nothing else; it waits for SIGTERM.
+3. Write ``imexd.cfg`` (command service on the pod IP) and, in DNS-names mode, the static ``nodes.cfg``
+   with the per-CD prefix.
+4. Register our entry (``registration.Registry``): our index is kept or allocated, status NotReady (IMEX is
+   not up yet; the readiness mirror takes over from the pod's condition).
+5. Run the peer loop (hosts file / nodes.cfg, start, SIGUSR1, restart) and the readiness mirror until a
+   signal or a failure.
+6. On SIGTERM/SIGINT: stop the loops, stop IMEX gracefully (it tells its peers), remove our entry (bounded
+   by ``SHUTDOWN_TIMEOUT``), exit 0. A fatal error exits 1 after the same cleanup, so the container restarts
+   and the restart count shows it.
+
+Concurrency: one event loop; the peer loop, the readiness mirror, their informers and the IMEX supervisor
+are tasks of one ``TaskGroup``. Signal handlers only set an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from computedomain.api.constants import CLIQUE_LABEL
+from computedomain.kube.client import PODS, ClientConfig, KubeClient
+from computedomain.kube.errors import KubeError
+from imex.config import ImexConfigError, hostname_prefix, render_imexd_cfg, render_nodes_cfg_dns
+from imex.daemon.files import write_file_atomically
+from imex.daemon.peers import PeerFiles, PeerSync
+from imex.daemon.process import ImexProcess
+from imex.daemon.readiness import ReadinessMirror
+from imex.daemon.registration import (
+    CliqueBackend,
+    Identity,
+    RegistrationError,
+    Registry,
+    StatusBackend,
+    pod_owner_reference,
+)
+from imex.daemon.settings import DaemonSettings
+
+__all__ = ["Daemon", "run_daemon"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Daemon:
+    """The wired-up parts of one daemon (exposed so tests can observe them)."""
+
+    settings: DaemonSettings
+    client: KubeClient
+    registry: Registry | None = None
+    process: ImexProcess | None = None
+    peers: PeerSync | None = None
+    readiness: ReadinessMirror | None = None
+
+
+async def label_own_pod(client: KubeClient, settings: DaemonSettings) -> None:
+    await client.merge_patch(
+        PODS,
+        settings.pod_name,
+        {"metadata": {"labels": {CLIQUE_LABEL: settings.clique_id}}},
+        namespace=settings.pod_namespace,
+    )
+    log.info(
+        "labelled own pod pod=%s/%s %s=%r", settings.pod_namespace, settings.pod_name, CLIQUE_LABEL, settings.clique_id
+    )
+
+
+def write_imex_config(settings: DaemonSettings) -> None:
+    write_file_atomically(
+        settings.imexd_cfg_path,
+        render_imexd_cfg(cmd_bind_ip=settings.pod_ip, nodes_config_file=str(settings.nodes_cfg_path)),
+    )
+    if settings.dns_names:
+        write_file_atomically(
+            settings.nodes_cfg_path, render_nodes_cfg_dns(hostname_prefix(settings.cd_uid), settings.max_nodes)
+        )
+
+
+def build(settings: DaemonSettings, client: KubeClient) -> Daemon:
+    me = Identity(node_name=settings.node_name, ip_address=settings.pod_ip, clique_id=settings.clique_id)
+    backend: CliqueBackend | StatusBackend
+    if settings.use_cliques:
+        backend = CliqueBackend(namespace=settings.pod_namespace, cd_uid=settings.cd_uid, clique_id=settings.clique_id)
+    else:
+        backend = StatusBackend(namespace=settings.cd_namespace, name=settings.cd_name, cd_uid=settings.cd_uid)
+    registry = Registry(
+        client,
+        backend,
+        me,
+        max_nodes=settings.max_nodes,
+        owner=pod_owner_reference(settings.pod_name, settings.pod_uid),
+    )
+    process = ImexProcess(
+        [settings.imex_binary, "-c", str(settings.imexd_cfg_path)],
+        stop_timeout=settings.imex_stop_timeout,
+        backoff_initial=settings.restart_backoff_initial,
+        backoff_max=settings.restart_backoff_max,
+        reload_interval=settings.sigusr1_interval,
+    )
+    files = PeerFiles(
+        hosts_file=Path(settings.hosts_file),
+        hosts_block=settings.cd_uid,
+        hostname_prefix=hostname_prefix(settings.cd_uid),
+        nodes_cfg=settings.nodes_cfg_path,
+        max_nodes=settings.max_nodes,
+    )
+    peers = PeerSync(client, registry, process, files, dns_names=settings.dns_names)
+    readiness = ReadinessMirror(
+        client, registry, namespace=settings.pod_namespace, pod_name=settings.pod_name, pod_uid=settings.pod_uid
+    )
+    return Daemon(settings, client, registry, process, peers, readiness)
+
+
+async def run_daemon(
+    settings: DaemonSettings, *, stop: asyncio.Event | None = None, client: KubeClient | None = None
+) -> int:
+    """Run until ``stop`` is set (SIGTERM/SIGINT set it when not given); the exit status."""
+    settings.validate_for_run()
+    stop = stop or _signal_event()
+    own_client = client is None
+    if client is None:
+        client = await KubeClient.connect(
+            kubeconfig=settings.kubeconfig or None,
+            config=ClientConfig(
+                qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager="compute-domain-daemon"
+            ),
+        )
+    try:
+        return await _run(settings, client, stop)
+    finally:
+        if own_client:
+            await client.close()
+
+
+async def _run(settings: DaemonSettings, client: KubeClient, stop: asyncio.Event) -> int:
+    log.info(
+        "starting daemon node=%s pod=%s/%s ip=%s cd=%s clique=%r dns_names=%s cliques=%s",
+        settings.node_name,
+        settings.pod_namespace,
+        settings.pod_name,
+        settings.pod_ip,
+        settings.cd_uid,
+        settings.clique_id,
+        settings.dns_names,
+        settings.use_cliques,
+    )
+    try:
+        await _until(stop, label_own_pod(client, settings))
+    except KubeError as exc:
+        log.error("cannot label own pod: %s", exc)
+        return 1
+    if stop.is_set():
+        return 0
+    if not settings.clique_id:
+        log.info("no NVLink clique on this node: running no IMEX daemon; waiting for SIGTERM")
+        await stop.wait()
+        log.info("SIGTERM: exiting")
+        return 0
+
+    daemon = build(settings, client)
+    assert daemon.registry and daemon.process and daemon.peers and daemon.readiness
+    exit_code = 0
+    try:
+        write_imex_config(settings)
+        entry = await _until(stop, daemon.registry.register())
+        if entry is not None:
+            log.info("our slot node=%s index=%d", entry.node_name, entry.index)
+            exit_code = await _serve(daemon, stop)
+    except (KubeError, RegistrationError, ImexConfigError, OSError) as exc:
+        log.error("daemon failed: %s", exc)
+        exit_code = 1
+    finally:
+        await _shutdown(daemon)
+    return exit_code
+
+
+async def _serve(daemon: Daemon, stop: asyncio.Event) -> int:
+    """Run the loops until ``stop``; 0 on a requested stop, 1 when a loop failed."""
+    assert daemon.peers and daemon.readiness
+    failed: list[BaseException] = []
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(daemon.peers.run(), name="peers")
+            tasks.create_task(daemon.readiness.run(), name="readiness")
+            await stop.wait()
+            log.info("stop requested: shutting down")
+            raise _Stop
+    except* _Stop:
+        pass
+    except* Exception as group:
+        failed.extend(group.exceptions)
+    for exc in failed:
+        log.error("daemon loop failed: %r", exc)
+    return 1 if failed else 0
+
+
+class _Stop(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    pass
+
+
+async def _shutdown(daemon: Daemon) -> None:
+    settings = daemon.settings
+    if daemon.process is not None:
+        code = await daemon.process.stop()
+        if code is not None:
+            log.info("nvidia-imex stopped exit=%s", code)
+    if daemon.registry is not None:
+        try:
+            async with asyncio.timeout(settings.shutdown_timeout):
+                await daemon.registry.unregister()
+        except (TimeoutError, KubeError, RegistrationError) as exc:
+            log.warning("could not remove our entry; the controller prunes it: %r", exc)
+
+
+async def _until(stop: asyncio.Event, coro: Coroutine[Any, Any, T]) -> T | None:
+    """Run ``coro`` unless ``stop`` is set first (then cancel it and return None)."""
+    task = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def _signal_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -1,0 +1,123 @@
+"""Settings of the compute-domain daemon (``python -m imex daemon run|check``).
+
+The per-CD DaemonSet gives the daemon its identity through the downward API (``NODE_NAME``, ``POD_IP``,
+``POD_UID``, ``POD_NAME``, ``POD_NAMESPACE``) and the CD through CDI env that the node agent injects with
+the daemon claim (``CLIQUE_ID``, ``COMPUTE_DOMAIN_UUID``, ``COMPUTE_DOMAIN_NAME``,
+``COMPUTE_DOMAIN_NAMESPACE``). The paths of ``/imexd``, the hosts file and the IMEX binaries are settings
+too, so tests can run many daemons on one machine.
+
+Same mechanism as ``computedomain.settings``: a frozen dataclass built once by ``load_settings`` (flags over
+env over defaults), validated in the constructor with one-line ``SettingsError`` messages. ``check`` runs as
+a kubelet probe with the same env but needs almost none of it, so the identity rules that only ``run``
+needs live in ``validate_for_run`` instead of the constructor.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
+from computedomain.settings import CommonSettings, FeatureGate, SettingsError, _opt
+
+__all__ = ["DaemonSettings"]
+
+
+@dataclass(frozen=True)
+class DaemonSettings(CommonSettings):
+    node_name: str = _opt("NODE_NAME", "this node's name (downward API)", default="")
+    pod_ip: str = _opt("POD_IP", "this pod's IP (downward API); IMEX peers reach us here", default="")
+    pod_uid: str = _opt("POD_UID", "this pod's UID (downward API); owner of the clique object", default="")
+    pod_name: str = _opt("POD_NAME", "this pod's name (downward API)", default="")
+    pod_namespace: str = _opt("POD_NAMESPACE", "this pod's namespace: the driver namespace", default="")
+    clique_id: str = _opt("CLIQUE_ID", "NVLink clique of the node (CDI); empty: no fabric", default="")
+    cd_uid: str = _opt("COMPUTE_DOMAIN_UUID", "UID of the ComputeDomain (CDI)", default="")
+    cd_name: str = _opt("COMPUTE_DOMAIN_NAME", "name of the ComputeDomain (CDI)", default="")
+    cd_namespace: str = _opt("COMPUTE_DOMAIN_NAMESPACE", "namespace of the ComputeDomain (CDI)", default="default")
+    max_nodes: int = _opt(
+        "MAX_NODES_PER_IMEX_DOMAIN", "DNS slots per clique (the controller's value)", default=MAX_NODES_PER_IMEX_DOMAIN
+    )
+    imexd_dir: str = _opt("IMEXD_DIR", "directory of imexd.cfg and nodes.cfg", default="/imexd")
+    hosts_file: str = _opt("HOSTS_FILE", "hosts file that maps the IMEX slot names", default="/etc/hosts")
+    imex_binary: str = _opt("IMEX_BINARY", "the nvidia-imex executable (PATH lookup if bare)", default="nvidia-imex")
+    imex_ctl_binary: str = _opt(
+        "IMEX_CTL_BINARY", "the nvidia-imex-ctl executable (PATH lookup if bare)", default="nvidia-imex-ctl"
+    )
+    sigusr1_interval: float = _opt(
+        "IMEX_SIGUSR1_INTERVAL", "IMEX honours SIGUSR1 at most once per this many seconds", default=5.0
+    )
+    imex_stop_timeout: float = _opt(
+        "IMEX_STOP_TIMEOUT", "seconds between SIGTERM and SIGKILL when stopping nvidia-imex", default=10.0
+    )
+    restart_backoff_initial: float = _opt(
+        "IMEX_RESTART_BACKOFF_INITIAL", "first delay before restarting a crashed nvidia-imex", default=1.0
+    )
+    restart_backoff_max: float = _opt(
+        "IMEX_RESTART_BACKOFF_MAX", "longest delay between restarts of a crash-looping nvidia-imex", default=30.0
+    )
+    check_timeout: float = _opt("CHECK_TIMEOUT", "deadline of nvidia-imex-ctl in `check`", default=8.0)
+    shutdown_timeout: float = _opt("SHUTDOWN_TIMEOUT", "deadline for removing our entry after SIGTERM", default=10.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_nodes < 1:
+            raise SettingsError("MAX_NODES_PER_IMEX_DOMAIN must be at least 1 (GB200/GB300 NVL72: 18)")
+        for env, value in (
+            ("IMEX_SIGUSR1_INTERVAL", self.sigusr1_interval),
+            ("IMEX_STOP_TIMEOUT", self.imex_stop_timeout),
+            ("IMEX_RESTART_BACKOFF_INITIAL", self.restart_backoff_initial),
+            ("IMEX_RESTART_BACKOFF_MAX", self.restart_backoff_max),
+            ("CHECK_TIMEOUT", self.check_timeout),
+            ("SHUTDOWN_TIMEOUT", self.shutdown_timeout),
+        ):
+            if value < 0:
+                raise SettingsError(f"{env} {value!r} must not be negative")
+        if self.clique_id and ("/" in self.clique_id or self.clique_id != self.clique_id.strip()):
+            raise SettingsError(f"CLIQUE_ID {self.clique_id!r} is malformed; want <clusterUUID>.<cliqueId>")
+
+    # ---- derived -------------------------------------------------------------------------------------
+
+    @property
+    def dns_names(self) -> bool:
+        return self.gate(FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES)
+
+    @property
+    def use_cliques(self) -> bool:
+        return self.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES)
+
+    @property
+    def imexd_cfg_path(self) -> Path:
+        return Path(self.imexd_dir) / "imexd.cfg"
+
+    @property
+    def nodes_cfg_path(self) -> Path:
+        return Path(self.imexd_dir) / "nodes.cfg"
+
+    @property
+    def clique_object_name(self) -> str:
+        """``<cdUID>.<cliqueID>``: the ComputeDomainClique this daemon registers in."""
+        return f"{self.cd_uid}.{self.clique_id}"
+
+    def validate_for_run(self) -> None:
+        """The identity `run` needs; one line per problem, the most fundamental first."""
+        if not self.cd_uid:
+            raise SettingsError(
+                "COMPUTE_DOMAIN_UUID is empty: the CDI container edits of the daemon claim did not apply "
+                "-- is CDI enabled in the container runtime?"
+            )
+        try:
+            uuid.UUID(self.cd_uid)
+        except ValueError:
+            raise SettingsError(f"COMPUTE_DOMAIN_UUID {self.cd_uid!r} is not a UUID") from None
+        for env, value in (
+            ("NODE_NAME", self.node_name),
+            ("POD_NAME", self.pod_name),
+            ("POD_NAMESPACE", self.pod_namespace),
+            ("POD_UID", self.pod_uid),
+            ("POD_IP", self.pod_ip),
+        ):
+            if not value:
+                raise SettingsError(f"{env} is required (set it from the downward API)")
+        if not self.use_cliques and not self.cd_name:
+            raise SettingsError("COMPUTE_DOMAIN_NAME is required with ComputeDomainCliques=false (CDI env)")

@@ -1,0 +1,82 @@
+"""``check``: ready only on exactly READY from a ctl that exited 0; a hung ctl is killed; no clique is ready."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from computedomain.settings import load_settings
+from imex.daemon.check import check, is_ready_output, report
+from imex.daemon.settings import DaemonSettings
+from imex.host_check import CommandResult
+
+CASES = [
+    (0, "READY\n", True),
+    (0, "READY", True),
+    (1, "READY\n", False),  # the ctl failed, whatever it printed
+    (0, "READY\n\n", False),
+    (0, " READY\n", False),
+    (0, "NOT READY\n", False),
+    (0, "READY\nbut something else\n", False),
+    (0, "WAITING_FOR_PEERS\n", False),
+    (0, "ready\n", False),
+    (0, "", False),
+]
+
+
+@pytest.mark.parametrize(("code", "output", "ready"), CASES)
+def test_is_ready_output_is_exact(code: int, output: str, ready: bool) -> None:
+    assert is_ready_output(code, output) is ready
+
+
+def settings(tmp_path: Path, clique: str = "c.0", **env: str) -> DaemonSettings:
+    return load_settings(
+        DaemonSettings,
+        environ={"CLIQUE_ID": clique, "IMEXD_DIR": str(tmp_path), "CHECK_TIMEOUT": "0.5", **env},
+    )
+
+
+async def test_check_runs_the_ctl_with_the_config_and_reports_the_state(tmp_path: Path) -> None:
+    seen: list[list[str]] = []
+
+    async def runner(argv: list[str], *, timeout_s: float) -> CommandResult:
+        seen.append(argv)
+        assert timeout_s == 0.5
+        return CommandResult(0, "WAITING_FOR_PEERS\n")
+
+    result = await check(settings(tmp_path, IMEX_CTL_BINARY="/x/nvidia-imex-ctl"), runner=runner)
+    assert seen == [["/x/nvidia-imex-ctl", "-c", str(tmp_path / "imexd.cfg"), "-q"]]
+    assert not result.ready
+    assert "state WAITING_FOR_PEERS" in result.message and "exit code 0" in result.message
+
+
+async def test_check_without_clique_succeeds_without_running_anything(tmp_path: Path) -> None:
+    async def runner(argv: list[str], *, timeout_s: float) -> CommandResult:
+        raise AssertionError("must not run")
+
+    result = await check(settings(tmp_path, clique=""), runner=runner)
+    assert result.ready and "no NVLink clique" in result.message
+
+
+async def test_check_kills_a_hung_ctl(tmp_path: Path) -> None:
+    hung = tmp_path / "hung-ctl"
+    hung.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
+    hung.chmod(0o755)
+    result = await check(settings(tmp_path, IMEX_CTL_BINARY=str(hung)))
+    assert not result.ready
+    assert "did not answer within 0.5s" in result.message
+
+
+async def test_check_missing_ctl_and_real_ready_ctl(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = await check(settings(tmp_path, IMEX_CTL_BINARY=str(tmp_path / "nope")))
+    assert not missing.ready and "cannot run" in missing.message
+    ok = tmp_path / "ok-ctl"
+    ok.write_text("#!/bin/sh\necho READY\n")
+    ok.chmod(0o755)
+    result = await check(settings(tmp_path, IMEX_CTL_BINARY=str(ok)))
+    assert result.ready
+    assert report(result) == 0
+    assert report(missing) == 1
+    assert capsys.readouterr().out.splitlines() == ["READY", missing.message]
