@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO / ".cluster"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+KWOK_STAGES = Path(__file__).with_name("kwok-stages.yaml")
 START_TIMEOUT = 180.0
 
 
@@ -147,9 +149,12 @@ class LocalCluster:
         ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
         return ctx
 
-    def _get(self, url: str, timeout: float = 2.0) -> tuple[int, str]:
+    def _get(self, url: str, timeout: float = 2.0, verify: bool = True) -> tuple[int, str]:
+        # The controller-manager and the scheduler serve self-signed certificates of their own; only the
+        # apiserver's is ours to verify.
+        ctx = self._ssl_context() if verify else ssl._create_unverified_context()
         try:
-            with urllib.request.urlopen(url, context=self._ssl_context(), timeout=timeout) as resp:
+            with urllib.request.urlopen(url, context=ctx, timeout=timeout) as resp:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")
@@ -158,18 +163,30 @@ class LocalCluster:
 
     def healthy(self) -> bool:
         state = self.state()
-        if state is None or not all(_alive(pid) for pid in state["pids"].values()):
+        if state is None or not state.get("ready") or not all(_alive(pid) for pid in state["pids"].values()):
             return False
         return self._get(f"{self.server}/readyz")[0] == 200
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """Serializes up/down across processes: parallel test runs share one cluster."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with (self.root / ".lock").open("w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
     def up(self) -> bool:
         """Start the cluster unless a healthy one runs. Returns True when this call started it."""
+        with self._lock():
+            return self._up()
+
+    def _up(self) -> bool:
         if self.healthy():
             log(f"reusing the running cluster ({self.server})")
             return False
-        self.down(quiet=True)
+        self._down(quiet=True)
         start = time.monotonic()
         bin_dir = build_binaries()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -182,10 +199,6 @@ class LocalCluster:
             target = self.kubeconfig if user == "admin" else self.root / f"{user}.kubeconfig"
             write_kubeconfig(target, server, self.pki, user)
         self._link_tools(bin_dir)
-        kwok_config = self.root / "kwok.yaml"
-        kwok_config.write_text(
-            "apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions:\n  enableCRDs: []\n"
-        )
         pids: dict[str, int] = {}
         self.state_file.write_text(json.dumps({"ports": ports, "pids": pids, "bin": str(bin_dir)}))
         try:
@@ -196,8 +209,9 @@ class LocalCluster:
                     self._wait_healthy(component)
             self._wait_ready()
         except BaseException:
-            self.down(quiet=True)
+            self._down(quiet=True)
             raise
+        self.state_file.write_text(json.dumps({"ports": ports, "pids": pids, "bin": str(bin_dir), "ready": True}))
         log(f"cluster up in {time.monotonic() - start:.1f}s: {server}")
         return True
 
@@ -224,6 +238,8 @@ class LocalCluster:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC",
+                # The apiserver listens on loopback only, which the kubernetes Endpoints may not contain.
+                "--endpoint-reconciler-type=none",
                 "--allow-privileged=true", "--enable-priority-and-fairness=false",
                 "--v=1",
             ], f"https://127.0.0.1:{ports['apiserver']}/readyz"),
@@ -247,7 +263,7 @@ class LocalCluster:
                 "--v=1",
             ], f"https://127.0.0.1:{ports['scheduler']}/healthz"),
             Component("kwok", [
-                str(bin_dir / "kwok"), f"--kubeconfig={root / 'kwok.kubeconfig'}", f"--config={root / 'kwok.yaml'}",
+                str(bin_dir / "kwok"), f"--kubeconfig={root / 'kwok.kubeconfig'}", f"--config={KWOK_STAGES}",
                 "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
                 "--cidr=10.244.0.1/16", "--node-ip=10.0.0.1",
                 f"--server-address=127.0.0.1:{ports['kwok']}",
@@ -277,7 +293,7 @@ class LocalCluster:
             if pid is None or not _alive(pid):
                 raise RuntimeError(f"{component.name} exited during start; see {self.logs / component.name}.log:\n"
                                    + self.log_tail(component.name))  # fmt: skip
-            status, body = self._get(component.health_url)
+            status, body = self._get(component.health_url, verify=component.name == "kube-apiserver")
             if status == 200:
                 return
             time.sleep(0.25)
@@ -301,6 +317,10 @@ class LocalCluster:
             link.symlink_to(bin_dir / tool)
 
     def down(self, quiet: bool = False) -> None:
+        with self._lock():
+            self._down(quiet)
+
+    def _down(self, quiet: bool = False) -> None:
         state = self.state()
         if state is None:
             if not quiet:
