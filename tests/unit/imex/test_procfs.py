@@ -17,19 +17,21 @@ from imex.procfs import (
 )
 from imex.simulated import write_fake_driver_root
 
-# Shape of the real file (trimmed), with the two lines SPEC section 6 records on the H200.
+# The real H200 file (driver 580.159.04), trimmed of unrelated devices; note 195 is shared by two names.
 REAL_DEVICES = """Character devices:
   1 mem
   4 /dev/vc/0
   4 tty
   5 /dev/tty
  10 misc
-195 nvidia-frontend
+195 nvidia
+195 nvidiactl
 226 drm
+238 nvidia-uvm
+239 nvidia-nvswitch
+240 nvidia-nvlink
 241 nvidia-caps
 242 nvidia-caps-imex-channels
-509 nvidia-nvswitch
-510 nvidia-uvm
 
 Block devices:
   7 loop
@@ -43,6 +45,7 @@ def test_real_devices_file_majors() -> None:
     assert lookup_major(devices, "nvidia-caps-imex-channels", source="x") == 242
     assert lookup_major(devices, "nvidia-caps", source="x") == 241
     assert devices["tty"] == [4]
+    assert devices["nvidia"] == [195] and devices["nvidiactl"] == [195]
     assert "loop" not in devices  # block devices are a different namespace of majors
 
 
@@ -92,6 +95,35 @@ def test_params_real_values() -> None:
     )
     assert params.imex_channel_count == 2048
     assert params.create_imex_channel0 is False
+
+
+# The whole params file of the real H200 (driver 580.159.04), as read in the GPU lane.
+REAL_PARAMS = """ResmanDebugLevel: 4294967295
+RmLogonRC: 1
+ModifyDeviceFiles: 1
+DeviceFileUID: 0
+DeviceFileGID: 0
+DeviceFileMode: 438
+NvLinkDisable: 1
+EnableGpuFirmware: 18
+OpenRmEnableUnsupportedGpus: 1
+DmaRemapPeerMmio: 1
+ImexChannelCount: 2048
+CreateImexChannel0: 0
+GrdmaPciTopoCheckOverride: 0
+CoherentGPUMemoryMode: ""
+RegistryDwords: ""
+RegistryDwordsPerDevice: ""
+RmMsg: ""
+GpuBlacklist: ""
+TemporaryFilePath: ""
+ExcludedGpus: ""
+"""
+
+
+def test_real_h200_params_file() -> None:
+    params = parse_params(REAL_PARAMS, source="/proc/driver/nvidia/params")
+    assert (params.imex_channel_count, params.create_imex_channel0) == (2048, False)
 
 
 def test_params_without_channel_count_default_to_2048() -> None:
