@@ -142,13 +142,14 @@ class Controller:
         identity: str | None = None,
         workers: int = WORKERS,
         sweep_period: float = SWEEP_PERIOD,
+        cd_namespace: str | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
         self.identity = identity or make_identity(settings.pod_name or None)
         self.workers = workers
         self.sweep_period = sweep_period
-        self.caches = Caches(client, settings)
+        self.caches = Caches(client, settings, cd_namespace=cd_namespace)
         self.recorder = EventRecorder(client, component="computedomain-controller", instance=self.identity)
         self.ready = False
         self.leading = False
@@ -254,7 +255,7 @@ async def start_http(controller: Controller, endpoint: str, metrics_path: str) -
     return runner
 
 
-async def main(settings: ControllerSettings) -> int:
+async def main(settings: ControllerSettings, *, cd_namespace: str | None = None) -> int:
     """Run the controller until SIGTERM/SIGINT; the exit code says how it ended."""
     loop = asyncio.get_running_loop()
     current = asyncio.current_task()
@@ -279,7 +280,7 @@ async def main(settings: ControllerSettings) -> int:
             qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager="computedomain-controller"
         ),
     )
-    controller = Controller(settings, client)
+    controller = Controller(settings, client, cd_namespace=cd_namespace)
     runner: web.AppRunner | None = None
     try:
         if settings.http_endpoint:

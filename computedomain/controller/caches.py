@@ -58,10 +58,17 @@ def _cd_label(obj: Child | NodeView | PodView) -> list[str]:
 
 
 class Caches:
-    def __init__(self, client: KubeClient, settings: ControllerSettings) -> None:
+    def __init__(self, client: KubeClient, settings: ControllerSettings, *, cd_namespace: str | None = None) -> None:
+        """``cd_namespace`` limits the domains this controller handles to one namespace (tests that share a
+        cluster use it); the orphan sweep still confirms against every namespace."""
         self.settings = settings
         self.cds: Informer[ComputeDomain] = Informer(
-            client, COMPUTE_DOMAINS, decode=decode_compute_domain, name="computedomains", indexers={"uid": _uid}
+            client,
+            COMPUTE_DOMAINS,
+            namespace=cd_namespace,
+            decode=decode_compute_domain,
+            name="computedomains",
+            indexers={"uid": _uid},
         )
         self.daemonsets: list[Informer[Child]] = [
             Informer(

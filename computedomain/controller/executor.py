@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -256,7 +257,7 @@ class Reconciler:
     async def _create(self, cd: ComputeDomain, action: CreateChild) -> Child | NameTaken:
         resource = resource_of(action.kind)
         try:
-            raw = await self.client.create(resource, action.body, namespace=action.namespace)
+            raw = await _create_compact(self.client, resource, action.body, action.namespace)
         except AlreadyExists:
             raw = await self.client.get(resource, action.name, namespace=action.namespace)
             existing = decode_child(raw, action.kind)
@@ -278,6 +279,22 @@ class Reconciler:
             cd, EventType.NORMAL, "Created", f"created {_describe(action.kind)} {child.namespace}/{child.name}"
         )
         return child
+
+
+async def _create_compact(client: KubeClient, resource: Resource, body: dict[str, Any], namespace: str) -> Raw:
+    """POST ``body`` serialized compactly.
+
+    Workaround until the kube client sends compact JSON: kubernetes_asyncio encodes request bodies with
+    ``json.dumps`` defaults (``", "``/``": "``), and the apiserver stores an opaque config's raw bytes as sent.
+    Every later update re-encodes them compactly, so the ResourceClaimTemplate's immutable spec "changes" and
+    even a metadata-only finalizer patch is refused ("spec: field is immutable"). A YAML content type makes
+    kubernetes_asyncio send our bytes untouched, and JSON is YAML.
+    """
+    data = json.dumps(body, separators=(",", ":")).encode()
+    path = resource.path(namespace=namespace)
+    return await client._json(
+        "POST", path, verb="create", resource=resource, body=data, content_type="application/yaml"
+    )
 
 
 def _describe(kind: ChildKind) -> str:
