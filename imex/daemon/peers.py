@@ -290,4 +290,5 @@ def _num_nodes(obj: Raw) -> int | None:
 
 
 def _describe(addresses: Mapping[int, str], prefix: str) -> str:
-    return ",".join(f"{prefix}-{i:04d}={addresses[i]}" for i in sorted(addresses))
+    slots = ",".join(f"{i}={addresses[i]}" for i in sorted(addresses))
+    return f"{prefix}-NNNN {slots or '(none)'}"

@@ -1,0 +1,95 @@
+"""Index allocation by many daemon processes racing against the real apiserver.
+
+22 daemons (18 in one clique, which fills it, and 4 in another) start at once; each creates-or-joins its
+ComputeDomainClique. Then some crash and come back (some with a new pod IP): nobody's index moves. A 19th
+daemon of the full clique fails with a clear error and changes nothing; a SIGTERM removes exactly the
+terminated daemon's entry. ``nvidia-imex`` is a do-nothing stand-in here: only registration is under test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
+from tests.cluster.imex.harness import GUARD_S, Domain, wait_until
+from tests.conftest import Cluster
+
+pytestmark = pytest.mark.cluster
+
+A = "8f2c1d9e-0000-4000-8000-00000000000a.1"
+B = "8f2c1d9e-0000-4000-8000-00000000000b.2"
+
+
+@pytest.fixture
+def domain(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[Domain]:
+    d = Domain(cluster, namespace, tmp_path, imex="fake")
+    yield d
+    d.cleanup()
+
+
+def test_racing_daemons_get_unique_stable_indices(domain: Domain) -> None:
+    a_nodes = domain.add([(f"a{i:02d}", A) for i in range(18)])
+    b_nodes = domain.add([(f"b{i:02d}", B) for i in range(4)])
+    everyone = a_nodes + b_nodes
+    for n in everyone:
+        n.start()
+
+    def registered(clique: str, count: int) -> bool:
+        return len(domain.entries(clique)) == count
+
+    wait_until("all 22 registered", lambda: registered(A, 18) and registered(B, 4), on_fail=lambda: domain.logs())
+    first = {clique: {node: e["index"] for node, e in domain.entries(clique).items()} for clique in (A, B)}
+    assert sorted(first[A].values()) == list(range(18)), first[A]  # unique, all below MAX_NODES_PER_IMEX_DOMAIN
+    assert sorted(first[B].values()) == list(range(4)), first[B]
+    for clique, nodes in ((A, a_nodes), (B, b_nodes)):
+        obj = domain.clique(clique)
+        assert obj is not None
+        assert obj["metadata"]["labels"] == {COMPUTE_DOMAIN_LABEL: domain.cd_uid, CLIQUE_LABEL: clique}
+        owners = {ref["uid"] for ref in obj["metadata"]["ownerReferences"]}
+        assert owners == {n.uid for n in nodes}
+        entries = domain.entries(clique)
+        for n in nodes:
+            assert entries[n.node]["ipAddress"] == n.ip
+            assert entries[n.node]["cliqueID"] == clique
+    pod_labels = {p["metadata"]["name"]: p["metadata"]["labels"].get(CLIQUE_LABEL) for p in domain.pods()}
+    assert all(pod_labels[n.pod] == n.clique for n in everyone)
+
+    # Crash six daemons (no cleanup runs) and bring them back at once; two come back on a new pod IP.
+    crashed = a_nodes[3:7] + b_nodes[1:3]
+    for n in crashed:
+        n.kill()
+    moved = [crashed[0], crashed[4]]
+    for n in moved:
+        n.ip = domain.new_ip()
+    for n in crashed:
+        n.start()
+    wait_until(
+        "moved daemons re-registered with their new IPs",
+        lambda: all(domain.entries(n.clique)[n.node]["ipAddress"] == n.ip for n in moved),
+        on_fail=lambda: domain.logs(crashed),
+    )
+    for n in crashed:
+        wait_until(f"{n.node} up again", lambda n=n: "our slot" in n.log().rsplit("==== start", 1)[-1])  # type: ignore[misc]
+    again = {clique: {node: e["index"] for node, e in domain.entries(clique).items()} for clique in (A, B)}
+    assert again == first
+
+    # A 19th daemon of the full clique: a clear error, nothing written.
+    (extra,) = domain.add([("a18", A)])
+    extra.start()
+    assert extra.proc is not None
+    code = extra.proc.wait(GUARD_S)
+    assert code == 1
+    assert "all 18 IMEX slots are held" in extra.log()
+    assert extra.node not in domain.entries(A)
+    assert {node: e["index"] for node, e in domain.entries(A).items()} == first[A]
+
+    # SIGTERM: that daemon's entry goes, nobody else's index moves.
+    leaving = a_nodes[10]
+    assert leaving.terminate() == 0
+    after = {node: e["index"] for node, e in domain.entries(A).items()}
+    expected = {node: index for node, index in first[A].items() if node != leaving.node}
+    assert after == expected
+    assert all(n.proc is not None and n.proc.poll() is None for n in everyone if n is not leaving)
