@@ -153,6 +153,9 @@ class Domain:
     def __init__(
         self, cluster: Cluster, namespace: str, root: Path, *, imex: str, env: dict[str, str] | None = None
     ) -> None:
+        # With a real IMEX (simulator) a ProbeKubelet decides readiness: new pods start NotReady, as they
+        # would under a kubelet whose readiness probe has not passed yet (kwok marks them Ready at once).
+        self.probed = imex == "simulator"
         self.cluster = cluster
         self.namespace = namespace
         self.root = root
@@ -238,6 +241,22 @@ class Domain:
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in self.pods()}
         for n in nodes:
             n.uid = uids[n.pod]
+            if self.probed:
+                self.set_ready(n, False)
+
+    def set_ready(self, n: DaemonNode, ready: bool) -> None:
+        patch = {"status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+        self.cluster.kubectl(
+            "patch",
+            "pod",
+            n.pod,
+            "-n",
+            self.namespace,
+            "--subresource=status",
+            "--type=strategic",
+            "-p",
+            json.dumps(patch),
+        )
 
     def replace_pod(self, n: DaemonNode, new_ip: str) -> None:
         """The pod is deleted and a new one lands on the same node with another IP (a rescheduled pod)."""
@@ -307,22 +326,8 @@ class ProbeKubelet:
                     result = asyncio.run(check(n.settings()))
                     key = n.pod
                     if self.last.get(key) != result.ready:
-                        self._write(n, result.ready)
+                        self.domain.set_ready(n, result.ready)
                         self.last[key] = result.ready
                 except Exception as exc:  # keep probing; the test reports these
                     self.errors.append(f"{n.node}: {exc!r}")
             self._stop.wait(self.period_s)
-
-    def _write(self, n: DaemonNode, ready: bool) -> None:
-        patch = {"status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
-        self.domain.cluster.kubectl(
-            "patch",
-            "pod",
-            n.pod,
-            "-n",
-            self.domain.namespace,
-            "--subresource=status",
-            "--type=strategic",
-            "-p",
-            json.dumps(patch),
-        )
