@@ -151,7 +151,14 @@ class Domain:
     """One ComputeDomain's daemons in the test namespace (the driver namespace stand-in)."""
 
     def __init__(
-        self, cluster: Cluster, namespace: str, root: Path, *, imex: str, env: dict[str, str] | None = None
+        self,
+        cluster: Cluster,
+        namespace: str,
+        root: Path,
+        *,
+        imex: str,
+        env: dict[str, str] | None = None,
+        cd_uid: str | None = None,
     ) -> None:
         # With a real IMEX (simulator) a ProbeKubelet decides readiness: new pods start NotReady, as they
         # would under a kubelet whose readiness probe has not passed yet (kwok marks them Ready at once).
@@ -159,7 +166,7 @@ class Domain:
         self.cluster = cluster
         self.namespace = namespace
         self.root = root
-        self.cd_uid = str(uuid.uuid4())
+        self.cd_uid = cd_uid or str(uuid.uuid4())
         self.net = f"127.{random.randint(20, 250)}.{random.randint(1, 250)}"
         self.nodes: list[DaemonNode] = []
         self._node_names: list[str] = []

@@ -8,6 +8,9 @@ terminated daemon's entry. ``nvidia-imex`` is a do-nothing stand-in here: only r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
 from tests.cluster.imex.harness import GUARD_S, Domain, wait_until
-from tests.conftest import Cluster
+from tests.conftest import REPO, Cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -93,3 +96,34 @@ def test_racing_daemons_get_unique_stable_indices(domain: Domain) -> None:
     expected = {node: index for node, index in first[A].items() if node != leaving.node}
     assert after == expected
     assert all(n.proc is not None and n.proc.poll() is None for n in everyone if n is not leaving)
+
+
+def test_non_fabric_daemon_labels_its_pod_runs_no_imex_and_is_ready(domain: Domain) -> None:
+    (plain,) = domain.add([("h200", "")])
+    plain.start()
+    wait_until("waiting for SIGTERM", lambda: "waiting for SIGTERM" in plain.log(), on_fail=lambda: plain.log())
+    labels = domain.pod(plain)["metadata"]["labels"]
+    assert labels[CLIQUE_LABEL] == ""  # the controller reports this node from its pod
+    assert "started nvidia-imex" not in plain.log()
+    assert not (plain.dir / "imexd").exists()
+    code, out = domain.cluster.try_kubectl(
+        "get",
+        "computedomaincliques",
+        "-n",
+        domain.namespace,
+        "-l",
+        f"{COMPUTE_DOMAIN_LABEL}={domain.cd_uid}",
+        "-o",
+        "name",
+    )
+    assert code == 0 and out.strip() == ""
+    check = subprocess.run(
+        [sys.executable, "-m", "imex", "daemon", "check"],
+        env={**os.environ, **plain.daemon_env()},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=GUARD_S,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert plain.terminate() == 0
