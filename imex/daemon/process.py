@@ -180,13 +180,17 @@ class ImexProcess:
         """Graceful stop: SIGTERM, SIGKILL after ``stop_timeout``; returns the exit status (None if none ran)."""
         self._wanted = False
         self.reloads.cancel()
-        supervisor, self._supervisor = self._supervisor, None
+        # Cancel the supervisor under the lock: it can then only be waiting (for the child, the backoff or the
+        # lock), never half-way through a spawn that would leave an untracked child behind.
+        async with self._lock:
+            supervisor, self._supervisor = self._supervisor, None
+            if supervisor is not None:
+                supervisor.cancel()
+            code = await self._terminate_locked()
         if supervisor is not None:
-            supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await supervisor
-        async with self._lock:
-            return await self._terminate_locked()
+        return code
 
     # ---- internals (lock held) ------------------------------------------------------------------------
 
