@@ -200,7 +200,7 @@ class LeaderElector:
         new_spec["renewTime"] = now_wall
         if holder != self.identity:
             new_spec["acquireTime"] = now_wall
-            new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + (1 if holder else 0)
+            new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
         body = {**lease, "spec": new_spec}
         try:
             self._lease = await self.client.replace(LEASES, body, namespace=self.namespace)

@@ -3,6 +3,7 @@ to the taxonomy (404, 409 stale resourceVersion, 409 AlreadyExists, 422 naming t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,8 @@ import pytest
 
 from computedomain.kube import errors
 from computedomain.kube.client import COMPUTE_DOMAINS, KubeClient, Raw
-from tests.cluster.kube.conftest import CONFIGMAPS
+from tests.cluster.kube.conftest import CONFIGMAPS, compact_etcd
+from tests.conftest import Cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -126,7 +128,9 @@ async def test_invalid_names_the_field(kube: KubeClient, namespace: str) -> None
     assert "spec.numNodes" in str(bad_cd.value)
 
 
-async def test_watch_streams_events_and_too_old_version_is_gone(kube: KubeClient, namespace: str) -> None:
+async def test_watch_streams_events_and_too_old_version_is_gone(
+    kube: KubeClient, namespace: str, cluster: Cluster
+) -> None:
     start = await kube.list(CONFIGMAPS, namespace=namespace)
     stream = kube.watch(CONFIGMAPS, namespace=namespace, resource_version=start.resource_version, timeout_seconds=30)
     await kube.create(CONFIGMAPS, configmap("w"), namespace=namespace)
@@ -136,6 +140,8 @@ async def test_watch_streams_events_and_too_old_version_is_gone(kube: KubeClient
                 assert event.object["metadata"]["name"] == "w"
                 break
 
+    now = await kube.create(CONFIGMAPS, configmap("w2"), namespace=namespace)
+    await asyncio.to_thread(compact_etcd, cluster, int(now["metadata"]["resourceVersion"]))
     with pytest.raises(errors.Gone) as gone:
         async with contextlib.aclosing(kube.watch(CONFIGMAPS, namespace=namespace, resource_version="1")) as old:
             async for _ in old:

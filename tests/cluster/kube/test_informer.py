@@ -13,7 +13,8 @@ from prometheus_client import REGISTRY
 
 from computedomain.kube.client import KubeClient, Raw
 from computedomain.kube.informer import Informer, wait_for_sync
-from tests.cluster.kube.conftest import CONFIGMAPS
+from tests.cluster.kube.conftest import CONFIGMAPS, compact_etcd
+from tests.conftest import Cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -113,7 +114,7 @@ async def test_add_update_delete_with_selector_and_index(kube: KubeClient, names
     assert ("add", "other") not in rec.events
 
 
-async def test_relist_after_gone_reconciles_the_store(kube: KubeClient, namespace: str) -> None:
+async def test_relist_after_gone_reconciles_the_store(kube: KubeClient, namespace: str, cluster: Cluster) -> None:
     for name in ("keep", "drop", "change"):
         await kube.create(CONFIGMAPS, cm(name, app="cd"), namespace=namespace)
     inf = Informer(kube, CONFIGMAPS, decode=CM.decode, namespace=namespace, label_selector="app=cd")
@@ -126,9 +127,11 @@ async def test_relist_after_gone_reconciles_the_store(kube: KubeClient, namespac
     # While nobody watches: delete, change and create; then resume from a compacted-away version.
     await kube.delete(CONFIGMAPS, "drop", namespace=namespace)
     await kube.merge_patch(CONFIGMAPS, "change", {"data": {"v": "2"}}, namespace=namespace)
-    await kube.create(CONFIGMAPS, cm("fresh", app="cd"), namespace=namespace)
+    fresh = await kube.create(CONFIGMAPS, cm("fresh", app="cd"), namespace=namespace)
     assert inf.get("drop", namespace) is not None, "a stopped cache keeps what it knew"
-    inf._resource_version = "1"  # white-box: force the 410 path
+    await asyncio.to_thread(compact_etcd, cluster, int(fresh["metadata"]["resourceVersion"]))
+    # White-box: resume from a version older than both the compaction and the watch cache's window.
+    inf._resource_version = "1"
     gone_before = REGISTRY.get_sample_value(
         "computedomain_informer_relists_total", {"informer": inf.name, "reason": "gone"}
     )

@@ -51,8 +51,21 @@ async def test_exactly_one_leads_and_release_hands_over_promptly(kube: KubeClien
     a = elector(kube, namespace, "a", log)
     b = elector(kube, namespace, "b", log)
     ta = asyncio.create_task(a.run())
-    await asyncio.sleep(1.0)
+    await log.until(["a"])
     tb = asyncio.create_task(b.run())
+    try:
+        await _handover(kube, namespace, log, a, b, ta)
+    finally:
+        for t in (ta, tb):
+            t.cancel()
+        await asyncio.wait({ta, tb})
+    lease = await kube.get(LEASES, "controller", namespace=namespace)
+    assert not lease["spec"].get("holderIdentity"), "the last leader released on shutdown"
+
+
+async def _handover(
+    kube: KubeClient, namespace: str, log: Log, a: LeaderElector, b: LeaderElector, ta: asyncio.Task[None]
+) -> None:
     await asyncio.sleep(2.0)  # several retry periods: b keeps trying and must keep failing
     assert log.leading == ["a"]
     assert a.is_leader and not b.is_leader
@@ -71,10 +84,6 @@ async def test_exactly_one_leads_and_release_hands_over_promptly(kube: KubeClien
     lease = await kube.get(LEASES, "controller", namespace=namespace)
     assert lease["spec"]["holderIdentity"] == "b-id"
     assert lease["spec"]["leaseTransitions"] == 1
-    tb.cancel()
-    await asyncio.wait({tb})
-    lease = await kube.get(LEASES, "controller", namespace=namespace)
-    assert not lease["spec"].get("holderIdentity")
 
 
 async def test_losing_the_lease_stops_the_work(kube: KubeClient, namespace: str) -> None:
