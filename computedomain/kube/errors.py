@@ -94,9 +94,7 @@ class KubeError(Exception):
         return self.message
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(status={self.status}, reason={self.reason!r}, message={self.message!r})"
-        )
+        return f"{type(self).__name__}(status={self.status}, reason={self.reason!r}, message={self.message!r})"
 
 
 class NotFound(KubeError):  # noqa: N818 (the taxonomy's names are the API)
@@ -229,6 +227,4 @@ def error_from_response(
         # Not a Status object (e.g. a proxy's HTML page): keep the text so the user sees something.
         text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
         status = {"message": f"HTTP {http_status}: {text[:500]}"}
-    return error_from_status(
-        status, http_status=http_status, retry_after=parse_retry_after(retry_after_header)
-    )
+    return error_from_status(status, http_status=http_status, retry_after=parse_retry_after(retry_after_header))

@@ -49,9 +49,7 @@ def test_status_code_maps_to_class(code: int, reason: str, cls: type[errors.Kube
 
 
 def test_already_exists_is_a_conflict() -> None:
-    err = error_from_response(
-        409, _status(409, "AlreadyExists", 'pods "x" already exists', name="x", kind="pods")
-    )
+    err = error_from_response(409, _status(409, "AlreadyExists", 'pods "x" already exists', name="x", kind="pods"))
     assert isinstance(err, errors.Conflict)
     assert err.name == "x"
     assert err.kind == "pods"
