@@ -11,7 +11,8 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
+# -mod=readonly: build exactly what go.sum pins; never resolve anything new at build time.
+export GOTOOLCHAIN=local GOFLAGS=-mod=readonly CGO_ENABLED=0
 
 K8S_VERSION=v1.36.3
 # The version a module requires, read from its go.mod (the require lines sit inside a block).
@@ -74,6 +75,11 @@ have kube-apiserver kube-controller-manager kube-scheduler kubectl ||
   build "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION" k8s "$k8s_ldflags" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+
+# Binaries of other versions are dead weight (about 0.5 GB each): keep only the current set.
+for old in "$cache_root"/*/; do
+  [[ "${old%/}" == "$bin" ]] || { log "removing outdated $(basename "$old")"; rm -rf "$old"; }
+done
 
 log "all binaries present in $bin"
 echo "$bin"

@@ -183,12 +183,13 @@ class LocalCluster:
             return self._up()
 
     def _up(self) -> bool:
+        start = time.monotonic()
+        bin_dir = build_binaries()
         if self.healthy():
+            self._link_tools(bin_dir)
             log(f"reusing the running cluster ({self.server})")
             return False
         self._down(quiet=True)
-        start = time.monotonic()
-        bin_dir = build_binaries()
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         make_pki(self.pki)
