@@ -1,0 +1,37 @@
+# The one image of the ComputeDomain service: the controller (`python -m computedomain controller`), the
+# node agent (`python -m computedomain kubelet-plugin`), the IMEX daemon (`python -m imex daemon run|check`,
+# which the controller runs in its per-domain DaemonSets with this same image) and the chart's uninstall
+# hook. nvidia-imex and nvidia-imex-ctl are not in the image: the daemon finds them in the driver files
+# the NVIDIA container runtime or the node agent's CDI spec provides.
+#
+#   docker build -t ghcr.io/computedomain/computedomain:0.1.0 .
+
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+# Dependencies first (pinned in pyproject.toml), so code changes reuse this layer.
+COPY pyproject.toml README.md ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml','rb'))['project']['dependencies']))" \
+      > /tmp/requirements.txt \
+ && python -m venv /opt/venv \
+ && /opt/venv/bin/pip install -r /tmp/requirements.txt
+COPY computedomain ./computedomain
+COPY imex ./imex
+RUN /opt/venv/bin/pip install --no-deps .
+
+FROM python:3.11-slim
+# chroot (coreutils, already in the base image) runs nvidia-imex-ctl inside the driver root (node agent,
+# hostManaged). No init: the pods' `command` replaces any entrypoint, and every process here handles
+# SIGTERM itself and waits for its own children.
+RUN groupadd --gid 65532 computedomain \
+ && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin computedomain
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+LABEL org.opencontainers.image.title="computedomain" \
+      org.opencontainers.image.description="ComputeDomain controller, DRA node agent and IMEX daemon" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# Root by default: the node agent (privileged) and the IMEX daemon (writes /etc/hosts) need it; the
+# chart runs the controller and the uninstall hook as 65532 (non-root).
+CMD ["python", "-m", "computedomain", "--help"]
