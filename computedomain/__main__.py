@@ -3,6 +3,7 @@
 Commands:
   check-settings {controller,kubelet-plugin}   validate the env/flags as that process would, print them
   controller [flags]                           run the ComputeDomain controller (flags mirror the env vars)
+  kubelet-plugin [flags]                       run the node agent (DRA kubelet plugin; flags mirror the env vars)
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             configure_logging(controller_settings)
             return asyncio.run(run_controller(controller_settings))
+        if command == "kubelet-plugin":
+            plugin_settings = load_settings(PluginSettings, rest)
+            from computedomain.plugin.app import configure_logging as configure_plugin_logging
+            from computedomain.plugin.app import main as run_plugin
+
+            configure_plugin_logging(plugin_settings)
+            return asyncio.run(run_plugin(plugin_settings))
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,287 @@
+"""The node agent process: `python -m computedomain kubelet-plugin`.
+
+Wires the building blocks together and owns the process lifecycle:
+
+start-up, in order (each failure is one line on stderr and a non-zero exit; nothing is half-started):
+  1. directories: `<plugins dir>/compute-domain.nvidia.com` (checkpoint, sockets, per-domain dirs), CDI root;
+  2. hardware: the clique ID (strict fabric mode refuses to start on an unfinished NVLink registration), the
+     driver version when IMEX daemons use DNS names (driverManaged), and whether the node has IMEX at all
+     (if not: run, publish no devices, say why; never crash-loop);
+  3. the checkpoint: boot-ID rule, and a corrupt file stops the agent with the fix in the message;
+  4. the Kubernetes client, the ComputeDomain (and clique) caches, the Preparer;
+  5. gRPC: DRA socket first, then registration (the kubelet must never learn an endpoint that does not
+     listen yet), health on TCP;
+  6. background tasks: ResourceSlice publishing, clique refresh (and the `nvidia.com/gpu.clique` label),
+     startup + periodic cleanup.
+
+SIGTERM/SIGINT: stop registration and DRA (in-flight calls get a grace period; an unfinished Prepare is
+recorded as PrepareStarted and finished or undone by the next process), stop the background tasks, close
+the client, exit 0. A SIGKILL at any point is survivable by design: see `prepare` and `checkpoint`.
+
+Hardware comes from NVML and `/proc` on a real node, or from the simulated topology file named by the
+`SIMULATED_TOPOLOGY` environment variable (the test bed and the demo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+from computedomain.api.constants import DRIVER_NAME
+from computedomain.kube.client import ClientConfig, KubeClient
+from computedomain.kube.events import EventRecorder
+from computedomain.plugin.cdi import CdiSpecDir
+from computedomain.plugin.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointStore
+from computedomain.plugin.claims import KubeClaimReader
+from computedomain.plugin.cleanup import Cleanup
+from computedomain.plugin.clique_label import CliqueLabeler, NodeHardware
+from computedomain.plugin.domains import DaemonReadinessWatch, DomainCache
+from computedomain.plugin.grpc_server import PluginServer, SocketPaths
+from computedomain.plugin.node_labels import NodeLabels
+from computedomain.plugin.prepare import HostCheck, Preparer, PreparerConfig
+from computedomain.plugin.resourceslice import SlicePublisher, published_devices
+from computedomain.settings import FeatureGate, PluginSettings
+from imex.discovery import Discovery, HardwareDiscovery, HardwareError, check_driver_for_dns_names
+from imex.host_check import check_host_imex_ready
+from imex.procfs import ProcFS
+
+log = logging.getLogger(__name__)
+
+COMPONENT: Final = "compute-domain-kubelet-plugin"
+SIMULATED_TOPOLOGY_ENV: Final = "SIMULATED_TOPOLOGY"
+STOP_GRACE_S: Final = 5.0
+
+
+class StartupError(Exception):
+    """Start-up cannot continue; the message is the one line the operator sees."""
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(settings: PluginSettings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+
+
+def make_discovery(settings: PluginSettings, environ: dict[str, str] | None = None) -> HardwareDiscovery:
+    """NVML + /proc, or the simulated topology (test bed, demo)."""
+    env = dict(os.environ if environ is None else environ)
+    proc_root = Path(settings.proc_root)
+    proc = ProcFS(proc_root.parent, devices_path=proc_root / "devices")
+    topology = env.get(SIMULATED_TOPOLOGY_ENV)
+    if topology:
+        from imex.simulated import SimulatedFabricSource
+
+        return Discovery(SimulatedFabricSource(settings.node_name, path=Path(topology)), proc)
+    from imex.nvml import NvmlFabricSource
+
+    return Discovery(NvmlFabricSource(), proc)
+
+
+class NodeAgent:
+    """The assembled node agent. `await agent.run(stop)` serves until stop is set."""
+
+    def __init__(
+        self,
+        settings: PluginSettings,
+        client: KubeClient,
+        discovery: HardwareDiscovery,
+        *,
+        boot_id_path: Path | None = None,
+        host_check: HostCheck | None = None,
+        cleanup_interval_s: float = 600.0,
+        clique_refresh_s: float = 600.0,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.plugin_dir = Path(settings.kubelet_plugins_dir) / DRIVER_NAME
+        self.paths = SocketPaths.for_driver(Path(settings.kubelet_registrar_dir), Path(settings.kubelet_plugins_dir))
+        self.hardware = NodeHardware(
+            discovery, crash_on_fabric_errors=settings.gate(FeatureGate.CRASH_ON_NVLINK_FABRIC_ERRORS)
+        )
+        store_kwargs: dict[str, Any] = {"boot_id_path": boot_id_path} if boot_id_path else {}
+        self.store = CheckpointStore(self.plugin_dir, **store_kwargs)
+        self.cdi = CdiSpecDir(Path(settings.cdi_root))
+        self.events = EventRecorder(client, component=COMPONENT)
+        self.domains = DomainCache(client)
+        self.readiness = DaemonReadinessWatch(
+            client,
+            self.domains,
+            node_name=settings.node_name,
+            driver_namespace=settings.namespace,
+            use_cliques=settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES),
+            dns_names=settings.gate(FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES),
+        )
+        self.labels = NodeLabels(client, settings.node_name)
+        self.claims = KubeClaimReader(client)
+        if host_check is None and settings.host_managed:
+            host_check = self._host_check
+        self.preparer = Preparer(
+            PreparerConfig(
+                node_name=settings.node_name, plugin_dir=self.plugin_dir, host_managed=settings.host_managed
+            ),
+            store=self.store,
+            cdi_dir=self.cdi,
+            claims=self.claims,
+            domains=self.domains,
+            labels=self.labels,
+            readiness=self.readiness,
+            hardware=self.hardware,
+            host_check=host_check,
+        )
+        self.cleanup = Cleanup(
+            self.preparer,
+            self.cdi,
+            claim_uid=self.claims.claim_uid,
+            known_domains=lambda: self.domains.known_uids() if self.domains.informer.synced else None,
+            domains_dir=self.preparer.config.domains_dir,
+            interval_s=cleanup_interval_s,
+        )
+        self.clique_labeler = CliqueLabeler(self.labels, self.hardware, refresh_s=clique_refresh_s)
+        health_port = settings.health_port if settings.health_port >= 0 else None
+        self.server = PluginServer(self.preparer, self.paths, health_port=health_port)
+        self.publisher: SlicePublisher | None = None
+
+    async def _host_check(self) -> None:
+        await check_host_imex_ready(
+            driver_root=Path(self.settings.driver_root), socket_path=self.settings.imex_host_socket_path
+        )
+
+    def prepare_startup(self) -> None:
+        """Steps 1-3 of the module docstring (blocking; raises StartupError)."""
+        settings = self.settings
+        try:
+            self.plugin_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+            cdi_root = Path(settings.cdi_root)
+            if cdi_root.exists() and not cdi_root.is_dir():
+                raise StartupError(f"CDI_ROOT {cdi_root} exists and is not a directory")
+            cdi_root.mkdir(mode=0o750, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"cannot create the plugin directories: {exc}") from None
+        try:
+            clique = self.hardware.load()
+        except HardwareError as exc:
+            raise StartupError(str(exc)) from None
+        no_imex = self.hardware.imex_support()
+        if no_imex is None and not settings.host_managed and settings.gate(FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES):
+            try:
+                check_driver_for_dns_names(self.hardware.discovery.driver_version())
+            except HardwareError as exc:
+                raise StartupError(str(exc)) from None
+        try:
+            invalidated = self.store.open()
+        except CheckpointCorruptError as exc:
+            raise StartupError(str(exc)) from None
+        except (CheckpointError, OSError) as exc:
+            raise StartupError(f"cannot open the checkpoint in {self.plugin_dir}: {exc}") from None
+        devices = published_devices(host_managed=settings.host_managed, imex_supported=no_imex is None)
+        self.publisher = SlicePublisher(
+            self.client, node_name=settings.node_name, devices=devices, events=self.events, no_imex_reason=no_imex
+        )
+        log.info(
+            "node agent starting node=%s mode=%s clique=%r imex=%s reboot_invalidated=%d plugin_dir=%s cdi_root=%s",
+            settings.node_name,
+            settings.imex_mode,
+            clique,
+            "yes" if no_imex is None else f"no ({no_imex})",
+            len(invalidated),
+            self.plugin_dir,
+            settings.cdi_root,
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self.publisher is None:
+            await asyncio.to_thread(self.prepare_startup)
+        assert self.publisher is not None
+        background: list[asyncio.Task[Any]] = []
+
+        def spawn(name: str, make: Callable[[], Any]) -> None:
+            background.append(asyncio.create_task(_logged(name, make), name=name))
+
+        spawn("cd-informer", self.domains.run)
+        spawn("clique-informer", self.readiness.run)
+        await self.server.start()
+        try:
+            spawn("resourceslice", self.publisher.run)
+            spawn(
+                "clique",
+                lambda: self.clique_labeler.run(enabled=self.settings.gpu_clique_label_enabled),
+            )
+            spawn("cleanup", self.cleanup.run)
+            stopped: asyncio.Task[Any] = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([stopped, *background], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+        finally:
+            log.info("node agent stopping")
+            await self.server.stop(STOP_GRACE_S)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.events.aclose(), 2.0)
+        for task in done:
+            if task is not stopped and not task.cancelled() and task.exception() is not None:
+                raise RuntimeError(f"background task {task.get_name()} failed") from task.exception()
+
+
+async def _logged(name: str, make: Callable[[], Any]) -> None:
+    try:
+        await make()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("background task %s failed", name)
+        raise
+
+
+async def main(settings: PluginSettings) -> int:
+    """The process: 0 after a signal, 1 when start-up or a background task fails."""
+    client = await KubeClient.connect(
+        kubeconfig=settings.kubeconfig or None,
+        config=ClientConfig(qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager=COMPONENT),
+    )
+    try:
+        agent = NodeAgent(settings, client, make_discovery(settings))
+        try:
+            await asyncio.to_thread(agent.prepare_startup)
+        except StartupError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await agent.run(stop)
+        except RuntimeError as exc:
+            log.error("node agent failed: %s", exc)
+            return 1
+        log.info("node agent stopped")
+        return 0
+    finally:
+        await client.close()

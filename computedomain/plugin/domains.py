@@ -1,0 +1,220 @@
+"""What the node agent knows about ComputeDomains: a cache of every CD (looked up by UID) and the readiness
+of this node's IMEX daemon in each, both kept current by watches.
+
+- `DomainCache` is an informer over ComputeDomains in all namespaces with a UID index; Prepare uses it for
+  the namespace check and the daemon's CDI env. A UID missing from a synced cache is looked up live once
+  before Prepare calls the CD absent, because a permanent error must not come from cache lag.
+- `DaemonReadinessWatch` answers "is this node's daemon of domain D Ready?" from watch events, never by
+  polling: with ComputeDomainCliques on, from the `ComputeDomainClique <cdUID>.<cliqueID>` objects in the
+  driver namespace (this node's entry, by `nodeName`), falling back to `CD.status.nodes` for domains set up
+  before the gate; with the gate off, from `CD.status.nodes`; and with IMEXDaemonsWithDNSNames off (legacy IP
+  mode, where IMEX only starts once every peer is known) it also needs `numNodes` Ready entries.
+  `wait_ready` re-evaluates whenever an event for that domain arrives and gives up at its timeout with a
+  message that says what it saw.
+
+Concurrency: the informers run as tasks of the agent (`run()`); their handlers only set per-domain events.
+Readers are synchronous over the informer stores and run on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
+from computedomain.api.models import ComputeDomain, ComputeDomainClique, ReadyStatus
+from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient, Raw
+from computedomain.kube.informer import Informer
+from computedomain.plugin.prepare import DomainInfo, NotReadyError, RetryableError
+
+log = logging.getLogger(__name__)
+
+UID_INDEX: Final = "uid"
+SYNC_TIMEOUT_S: Final = 10.0
+
+
+def _decode_cd(raw: Raw) -> ComputeDomain:
+    return ComputeDomain.model_validate(raw)
+
+
+def _decode_clique(raw: Raw) -> ComputeDomainClique:
+    return ComputeDomainClique.model_validate(raw)
+
+
+def _info(cd: ComputeDomain) -> DomainInfo:
+    return DomainInfo(
+        uid=cd.metadata.uid, name=cd.metadata.name, namespace=cd.metadata.namespace, num_nodes=cd.spec.num_nodes
+    )
+
+
+class DomainCache:
+    """`prepare.DomainLookup`: ComputeDomains of all namespaces by UID."""
+
+    def __init__(self, client: KubeClient) -> None:
+        self._client = client
+        self.informer: Informer[ComputeDomain] = Informer(
+            client,
+            COMPUTE_DOMAINS,
+            decode=_decode_cd,
+            name="computedomains",
+            indexers={UID_INDEX: lambda cd: (cd.metadata.uid,)},
+        )
+
+    async def run(self) -> None:
+        await self.informer.run()
+
+    def lookup(self, uid: str) -> ComputeDomain | None:
+        found = self.informer.by_index(UID_INDEX, uid)
+        return found[0] if found else None
+
+    async def get_domain(self, uid: str) -> DomainInfo | None:
+        if not await self.informer.has_synced(SYNC_TIMEOUT_S):
+            # Without a synced cache "absent" would be a guess; make it a retryable error instead.
+            raise RetryableError("the ComputeDomain cache has not synced yet")
+        cd = self.lookup(uid)
+        if cd is None:
+            listed = await self._client.list_all(COMPUTE_DOMAINS, decode=_decode_cd)
+            cd = next((c for c in listed.items if c.metadata.uid == uid), None)
+        return _info(cd) if cd is not None and cd.metadata.deletion_timestamp is None else None
+
+    def known_uids(self) -> set[str]:
+        return set(self.informer.index_values(UID_INDEX))
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    ready: bool
+    why: str
+
+
+def evaluate(
+    node: str,
+    domain: DomainInfo,
+    clique_id: str,
+    *,
+    clique: ComputeDomainClique | None,
+    cd: ComputeDomain | None,
+    use_cliques: bool,
+    dns_names: bool,
+) -> Readiness:
+    """Pure: is this node's daemon of the domain Ready, and if not, what was seen."""
+    where = f"ComputeDomain {domain.namespace}/{domain.name}"
+    if use_cliques and clique is not None:
+        entry = next((d for d in clique.daemons or () if d.node_name == node), None)
+        if entry is not None and entry.status is ReadyStatus.READY:
+            return Readiness(True, "")
+        seen = f"entry {entry.status}" if entry is not None else "no entry"
+        clique_text = f"ComputeDomainClique {clique.metadata.name}: {seen}"
+    else:
+        clique_text = f"ComputeDomainClique {domain.uid}.{clique_id}: not found" if use_cliques else ""
+    nodes = list((cd.status.nodes if cd is not None and cd.status is not None else None) or ())
+    own = next((n for n in nodes if n.name == node), None)
+    ready = [n for n in nodes if n.status is ReadyStatus.READY]
+    if own is not None and own.status is ReadyStatus.READY:
+        if dns_names:
+            return Readiness(True, "")
+        if len(ready) >= domain.num_nodes:
+            return Readiness(True, "")
+        return Readiness(
+            False,
+            f"node {node} not ready in {where}: {len(ready)} of {domain.num_nodes} daemons Ready "
+            "(IMEXDaemonsWithDNSNames=false waits for numNodes)",
+        )
+    status_text = f"status.nodes entry {own.status}" if own is not None else "no status.nodes entry"
+    detail = "; ".join(t for t in (clique_text, status_text) if t)
+    return Readiness(False, f"node {node} not ready in {where}: IMEX daemon {detail}")
+
+
+class DaemonReadinessWatch:
+    """`prepare.DaemonReadiness`, driven by ComputeDomainClique and ComputeDomain watch events."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        domains: DomainCache,
+        *,
+        node_name: str,
+        driver_namespace: str,
+        use_cliques: bool,
+        dns_names: bool,
+    ) -> None:
+        self.node_name = node_name
+        self.use_cliques = use_cliques
+        self.dns_names = dns_names
+        self.domains = domains
+        self.driver_namespace = driver_namespace
+        self.cliques: Informer[ComputeDomainClique] | None = None
+        if use_cliques:
+            self.cliques = Informer(
+                client,
+                COMPUTE_DOMAIN_CLIQUES,
+                decode=_decode_clique,
+                namespace=driver_namespace,
+                name="computedomaincliques",
+            )
+            self.cliques.add_handler(
+                on_add=self._clique_changed,
+                on_update=lambda _old, new: self._clique_changed(new),
+                on_delete=self._clique_changed,
+            )
+        domains.informer.add_handler(
+            on_add=self._cd_changed, on_update=lambda _old, new: self._cd_changed(new), on_delete=self._cd_changed
+        )
+        self._changed: dict[str, asyncio.Event] = {}
+
+    async def run(self) -> None:
+        if self.cliques is not None:
+            await self.cliques.run()
+
+    def informers(self) -> Iterable[Informer[ComputeDomainClique]]:
+        return [self.cliques] if self.cliques is not None else []
+
+    def _notify(self, uid: str) -> None:
+        event = self._changed.pop(uid, None)
+        if event is not None:
+            event.set()
+
+    def _clique_changed(self, clique: ComputeDomainClique) -> None:
+        uid = clique.metadata.labels.get(COMPUTE_DOMAIN_LABEL) or clique.metadata.name.split(".", 1)[0]
+        self._notify(uid)
+
+    def _cd_changed(self, cd: ComputeDomain) -> None:
+        self._notify(cd.metadata.uid)
+
+    def check(self, domain: DomainInfo, clique_id: str) -> Readiness:
+        clique = None
+        if self.cliques is not None:
+            clique = self.cliques.get(f"{domain.uid}.{clique_id}", self.driver_namespace)
+        return evaluate(
+            self.node_name,
+            domain,
+            clique_id,
+            clique=clique,
+            cd=self.domains.lookup(domain.uid),
+            use_cliques=self.use_cliques,
+            dns_names=self.dns_names,
+        )
+
+    async def wait_ready(self, domain: DomainInfo, clique_id: str, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        for informer in self.informers():
+            if not await informer.has_synced(max(deadline - loop.time(), 0.0)):
+                raise NotReadyError(f"node {self.node_name}: ComputeDomainClique cache not synced yet")
+        while True:
+            # Register interest before evaluating, so an event between the two is not lost.
+            event = self._changed.setdefault(domain.uid, asyncio.Event())
+            state = self.check(domain, clique_id)
+            if state.ready:
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise NotReadyError(state.why)
+            try:
+                async with asyncio.timeout(remaining):
+                    await event.wait()
+            except TimeoutError:
+                raise NotReadyError(self.check(domain, clique_id).why) from None

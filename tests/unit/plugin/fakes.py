@@ -1,0 +1,221 @@
+"""In-memory collaborators of the Preparer, and builders for ResourceClaims, for unit tests and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from computedomain.api.constants import DRIVER_NAME
+from computedomain.plugin.cdi import CapabilityDevice, CdiSpecDir
+from computedomain.plugin.checkpoint import CheckpointStore
+from computedomain.plugin.prepare import (
+    ClaimNotFoundError,
+    ClaimSnapshot,
+    DomainInfo,
+    LabelConflictError,
+    NotReadyError,
+    Preparer,
+    PreparerConfig,
+)
+from computedomain.plugin.preparer import ClaimRef, ClaimUid
+
+NODE = "gb-r0-t00"
+CLIQUE = "6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40.1"
+GROUP_VERSION = "resource.nvidia.com/v1beta1"
+
+
+def channel_params(domain_id: str, mode: str | None = None, **extra: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"apiVersion": GROUP_VERSION, "kind": "ComputeDomainChannelConfig", "domainID": domain_id}
+    if mode:
+        params["allocationMode"] = mode
+    return {**params, **extra}
+
+
+def daemon_params(domain_id: str, **extra: Any) -> dict[str, Any]:
+    return {"apiVersion": GROUP_VERSION, "kind": "ComputeDomainDaemonConfig", "domainID": domain_id, **extra}
+
+
+def claim_status(
+    device: str, params: dict[str, Any], *, node: str = NODE, request: str | None = None
+) -> dict[str, Any]:
+    request = request or device.split("-")[0]
+    return {
+        "allocation": {
+            "devices": {
+                "results": [{"request": request, "driver": DRIVER_NAME, "pool": node, "device": device}],
+                "config": [
+                    {
+                        "source": "FromClaim",
+                        "requests": [request],
+                        "opaque": {"driver": DRIVER_NAME, "parameters": params},
+                    }
+                ],
+            },
+            "nodeSelector": {},
+        },
+        "reservedFor": [{"resource": "pods", "name": "worker", "uid": str(uuid.uuid4())}],
+    }
+
+
+class FakeClaims:
+    def __init__(self) -> None:
+        self.claims: dict[tuple[str, str], ClaimSnapshot] = {}
+        self.gets = 0
+
+    def add(self, namespace: str, name: str, status: dict[str, Any], uid: str | None = None) -> ClaimRef:
+        uid = uid or str(uuid.uuid4())
+        self.claims[(namespace, name)] = ClaimSnapshot(namespace, name, uid, status)
+        return ClaimRef(namespace, name, ClaimUid(uid))
+
+    async def get_claim(self, namespace: str, name: str) -> ClaimSnapshot:
+        self.gets += 1
+        try:
+            return self.claims[(namespace, name)]
+        except KeyError:
+            raise ClaimNotFoundError(f"ResourceClaim {namespace}/{name} does not exist") from None
+
+    async def claim_uid(self, namespace: str, name: str) -> str | None:
+        claim = self.claims.get((namespace, name))
+        return claim.uid if claim else None
+
+
+class FakeDomains:
+    def __init__(self) -> None:
+        self.domains: dict[str, DomainInfo] = {}
+
+    def add(self, namespace: str, name: str = "cd", num_nodes: int = 0) -> DomainInfo:
+        info = DomainInfo(uid=str(uuid.uuid4()), name=name, namespace=namespace, num_nodes=num_nodes)
+        self.domains[info.uid] = info
+        return info
+
+    async def get_domain(self, uid: str) -> DomainInfo | None:
+        return self.domains.get(uid)
+
+
+class FakeLabels:
+    def __init__(self) -> None:
+        self.labels: dict[str, str] = {}
+        self.writes = 0
+
+    async def ensure_label(self, key: str, value: str) -> None:
+        current = self.labels.get(key)
+        if current is not None and current != value:
+            raise LabelConflictError(f"node carries {key}={current} of another ComputeDomain")
+        if current is None:
+            self.writes += 1
+            self.labels[key] = value
+
+    async def remove_label_if(self, key: str, value: str) -> bool:
+        if self.labels.get(key) != value:
+            return False
+        del self.labels[key]
+        self.writes += 1
+        return True
+
+
+class FakeReadiness:
+    """Ready domains are in `ready`; `set_ready` releases waiters."""
+
+    def __init__(self) -> None:
+        self.ready: set[str] = set()
+        self._changed = asyncio.Event()
+        self.waits = 0
+
+    def set_ready(self, uid: str) -> None:
+        self.ready.add(uid)
+        self._changed.set()
+
+    async def wait_ready(self, domain: DomainInfo, clique_id: str, timeout_s: float) -> None:
+        self.waits += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while domain.uid not in self.ready:
+            self._changed.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise NotReadyError(f"node {NODE} not ready in ComputeDomain {domain.namespace}/{domain.name}")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                continue
+
+
+class FakeHardware:
+    def __init__(self, clique: str = CLIQUE, count: int = 8) -> None:
+        self._clique = clique
+        self.count = count
+
+    @property
+    def clique_id(self) -> str:
+        return self._clique
+
+    def imex_channel_major(self) -> int:
+        return 242
+
+    def imex_channel_count(self) -> int:
+        return self.count
+
+    def fabric_imex_mgmt(self) -> CapabilityDevice | None:
+        return CapabilityDevice(major=241, minor=4323, file_mode=256) if self._clique else None
+
+
+class Bed:
+    """A Preparer over fakes and a real checkpoint + CDI dir in tmp_path."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        host_managed: bool = False,
+        clique: str = CLIQUE,
+        budget_s: float = 1.5,
+        host_check: Callable[[], Awaitable[None]] | None = None,
+        boot_id: str = "boot-1",
+    ) -> None:
+        self.tmp = tmp_path
+        self.plugin_dir = tmp_path / "plugins" / DRIVER_NAME
+        self.boot_id_file = tmp_path / "boot_id"
+        self.boot_id_file.write_text(boot_id + "\n")
+        self.store = CheckpointStore(self.plugin_dir, boot_id_path=self.boot_id_file)
+        self.store.open()
+        self.cdi = CdiSpecDir(tmp_path / "cdi")
+        self.claims = FakeClaims()
+        self.domains = FakeDomains()
+        self.labels = FakeLabels()
+        self.readiness = FakeReadiness()
+        self.hardware = FakeHardware(clique)
+        self.preparer = Preparer(
+            PreparerConfig(
+                node_name=NODE,
+                plugin_dir=self.plugin_dir,
+                host_managed=host_managed,
+                budget_s=budget_s,
+                backoff_initial_s=0.01,
+                backoff_max_s=0.05,
+            ),
+            store=self.store,
+            cdi_dir=self.cdi,
+            claims=self.claims,
+            domains=self.domains,
+            labels=self.labels,
+            readiness=self.readiness,
+            hardware=self.hardware,
+            host_check=host_check,
+        )
+
+    def set_budget(self, budget_s: float) -> None:
+        self.preparer.config = dataclasses.replace(self.preparer.config, budget_s=budget_s)
+
+    def channel_claim(self, domain: DomainInfo, mode: str | None = None, **extra: Any) -> ClaimRef:
+        name = f"worker-channel-{uuid.uuid4().hex[:5]}"
+        return self.claims.add(
+            domain.namespace, name, claim_status("channel-0", channel_params(domain.uid, mode, **extra))
+        )
+
+    def daemon_claim(self, domain: DomainInfo, namespace: str = "driver") -> ClaimRef:
+        name = f"daemon-{uuid.uuid4().hex[:5]}"
+        return self.claims.add(namespace, name, claim_status("daemon-0", daemon_params(domain.uid)))

@@ -1,0 +1,251 @@
+"""The Preparer (SPEC section 6) over in-memory collaborators and a real checkpoint and CDI directory."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
+from computedomain.plugin.checkpoint import ClaimState
+from computedomain.plugin.prepare import RetryableError
+from computedomain.plugin.preparer import ClaimRef, ClaimUid
+from tests.unit.plugin.fakes import CLIQUE, NODE, Bed, channel_params, claim_status
+
+
+def spec_nodes(bed: Bed, uid: str) -> list[dict[str, object]]:
+    spec = bed.cdi.read(uid)
+    assert spec is not None
+    (device,) = spec["devices"]
+    nodes: list[dict[str, object]] = device["containerEdits"]["deviceNodes"]
+    return nodes
+
+
+async def test_ready_domain_channel_claim(tmp_path: Path) -> None:
+    bed = Bed(tmp_path)
+    cd = bed.domains.add("team-a")
+    bed.readiness.set_ready(cd.uid)
+    ref = bed.channel_claim(cd)
+    result = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert result.ok, result.error
+    (device,) = result.devices
+    assert (device.pool_name, device.device_name, device.request_names) == (NODE, "channel-0", ("channel",))
+    assert device.cdi_device_ids == (f"k8s.compute-domain.nvidia.com/claim={ref.uid}-channel-0",)
+    assert spec_nodes(bed, ref.uid) == [
+        {"path": "/dev/nvidia-caps-imex-channels/channel0", "type": "c", "major": 242, "minor": 0, "fileMode": 0o666}
+    ]
+    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+    entry = bed.store.read().get(ref.uid)
+    assert entry is not None and entry.state is ClaimState.PREPARE_COMPLETED
+    # Idempotent: the same devices again, no new side effects.
+    again = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert again == result and bed.labels.writes == 1
+
+
+async def test_all_mode_injects_every_channel(tmp_path: Path) -> None:
+    bed = Bed(tmp_path)
+    cd = bed.domains.add("team-a")
+    bed.readiness.set_ready(cd.uid)
+    ref = bed.channel_claim(cd, "All")
+    assert (await bed.preparer.prepare([ref]))[ref.uid].ok
+    assert [n["minor"] for n in spec_nodes(bed, ref.uid)] == list(range(bed.hardware.count))
+
+
+async def test_prepare_waits_for_this_nodes_daemon(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, budget_s=10)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd)
+    task = asyncio.create_task(bed.preparer.prepare([ref]))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    # The label is there before the daemon is: it is what brings the daemon to this node.
+    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+    assert bed.cdi.read(ref.uid) is None
+    bed.readiness.set_ready(cd.uid)
+    result = (await asyncio.wait_for(task, 5))[ref.uid]
+    assert result.ok
+
+
+async def test_not_ready_within_budget_is_left_out(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, budget_s=0.5)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd)
+    assert await bed.preparer.prepare([ref]) == {}
+    entry = bed.store.read().get(ref.uid)
+    assert entry is not None and entry.state is ClaimState.PREPARE_STARTED
+
+
+async def test_another_domains_label_is_retryable(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, budget_s=0.5)
+    cd = bed.domains.add("team-a")
+    bed.readiness.set_ready(cd.uid)
+    bed.labels.labels[COMPUTE_DOMAIN_LABEL] = "0b9c3f0e-0000-4000-8000-000000000000"
+    ref = bed.channel_claim(cd)
+    assert await bed.preparer.prepare([ref]) == {}
+    # Freed within the budget: a retry succeeds.
+    bed.set_budget(5)
+    task = asyncio.create_task(bed.preparer.prepare([ref]))
+    await asyncio.sleep(0.1)
+    del bed.labels.labels[COMPUTE_DOMAIN_LABEL]
+    assert (await task)[ref.uid].ok
+
+
+def assert_untouched(bed: Bed) -> None:
+    assert bed.store.read().claims == {}
+    assert bed.cdi.list_claims() == {}
+    assert bed.labels.writes == 0
+
+
+async def test_unknown_opaque_field_is_permanent_and_named(tmp_path: Path) -> None:
+    bed = Bed(tmp_path)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd, allocationMde="All")
+    result = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert result.error.startswith("permanent error:") and "unknown field 'allocationMde'" in result.error
+    assert bed.claims.gets == 1, "a permanent error is not retried"
+    assert_untouched(bed)
+
+
+@pytest.mark.parametrize("domain_id", ["../../etc", "not-a-uuid", "6F1C2A52-0D4E-4B5E-9A77-5C3E0C1D2F40"])
+async def test_bad_domain_id_touches_nothing(tmp_path: Path, domain_id: str) -> None:
+    bed = Bed(tmp_path)
+    ref = bed.claims.add("team-a", "w", claim_status("channel-0", channel_params(domain_id)))
+    result = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert "permanent error" in result.error and "domainID" in result.error
+    assert_untouched(bed)
+    assert not (bed.plugin_dir / "domains").exists()
+
+
+async def test_claim_from_another_namespace_is_permanent(tmp_path: Path) -> None:
+    bed = Bed(tmp_path)
+    cd = bed.domains.add("team-a")
+    ref = bed.claims.add("team-b", "w", claim_status("channel-0", channel_params(cd.uid)))
+    result = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert "not found in namespace team-b" in result.error and "team-a" in result.error
+    assert_untouched(bed)
+
+
+async def test_replaced_or_unallocated_claims_fail_permanently(tmp_path: Path) -> None:
+    bed = Bed(tmp_path)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd)
+    stale = ClaimRef(ref.namespace, ref.name, ClaimUid("11111111-2222-4333-8444-555555555555"))
+    assert "was replaced" in (await bed.preparer.prepare([stale]))[stale.uid].error
+    bare = bed.claims.add("team-a", "bare", {})
+    assert "is not allocated" in (await bed.preparer.prepare([bare]))[bare.uid].error
+
+
+async def test_unprepare_undoes_everything_and_rejects_a_stale_retry(tmp_path: Path) -> None:
+    bed = Bed(tmp_path)
+    cd = bed.domains.add("team-a")
+    bed.readiness.set_ready(cd.uid)
+    ref = bed.channel_claim(cd)
+    assert (await bed.preparer.prepare([ref]))[ref.uid].ok
+    assert (await bed.preparer.unprepare([ref]))[ref.uid].ok
+    assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
+    entry = bed.store.read().get(ref.uid)
+    assert entry is not None and entry.state is ClaimState.UNPREPARE_COMPLETED
+    # The kubelet's late retry of the same claim state must not resurrect it (#1162).
+    late = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert "permanent error" in late.error and "stale Prepare" in late.error
+    assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
+    # Unprepare is idempotent; unknown claims too.
+    assert (await bed.preparer.unprepare([ref]))[ref.uid].ok
+
+
+async def test_unprepare_cancels_a_waiting_prepare_without_leaks(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, budget_s=10)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd)
+    waiting = asyncio.create_task(bed.preparer.prepare([ref]))
+    await asyncio.sleep(0.2)
+    assert bed.labels.labels
+    assert (await bed.preparer.unprepare([ref]))[ref.uid].ok
+    result = (await asyncio.wait_for(waiting, 5))[ref.uid]
+    assert "unprepared while this Prepare ran" in result.error
+    bed.readiness.set_ready(cd.uid)
+    await asyncio.sleep(0.1)
+    assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
+    entry = bed.store.read().get(ref.uid)
+    assert entry is not None and entry.state is ClaimState.PREPARE_ABORTED
+
+
+async def test_channel_still_held_by_another_claim_is_retryable(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, budget_s=0.5)
+    cd = bed.domains.add("team-a")
+    bed.readiness.set_ready(cd.uid)
+    first, second = bed.channel_claim(cd), bed.channel_claim(cd)
+    assert (await bed.preparer.prepare([first]))[first.uid].ok
+    assert await bed.preparer.prepare([second]) == {}, "left out: retryable until the first is unprepared"
+    await bed.preparer.unprepare([first])
+    bed.set_budget(5)
+    assert (await bed.preparer.prepare([second]))[second.uid].ok
+
+
+async def test_no_clique_succeeds_without_injection(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, clique="")
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd)
+    result = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert result.ok and result.devices[0].cdi_device_ids == ()
+    assert bed.cdi.list_claims() == {} and bed.readiness.waits == 0
+    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+
+
+async def test_daemon_claim_gets_imexd_env_and_fabric_device(tmp_path: Path) -> None:
+    bed = Bed(tmp_path)
+    cd = bed.domains.add("team-a", name="job")
+    ref = bed.daemon_claim(cd)
+    result = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert result.ok, result.error
+    spec = bed.cdi.read(ref.uid)
+    assert spec is not None
+    edits = spec["devices"][0]["containerEdits"]
+    domain_dir = bed.plugin_dir / "domains" / cd.uid
+    assert domain_dir.is_dir()
+    assert edits["mounts"] == [
+        {"hostPath": str(domain_dir), "containerPath": "/imexd", "options": ["rw", "nosuid", "nodev", "bind"]}
+    ]
+    assert edits["env"] == [
+        f"CLIQUE_ID={CLIQUE}",
+        f"COMPUTE_DOMAIN_UUID={cd.uid}",
+        "COMPUTE_DOMAIN_NAME=job",
+        "COMPUTE_DOMAIN_NAMESPACE=team-a",
+    ]
+    assert edits["deviceNodes"] == [
+        {"path": "/dev/nvidia-caps/nvidia-cap4323", "type": "c", "major": 241, "minor": 4323, "fileMode": 256}
+    ]
+    assert bed.labels.writes == 0
+
+
+async def test_host_managed_checks_the_host_daemon(tmp_path: Path) -> None:
+    ready = False
+    calls = 0
+
+    async def host_check() -> None:
+        nonlocal calls
+        calls += 1
+        if not ready:
+            raise RetryableError("host nvidia-imex daemon not ready: state WAITING_FOR_PEERS")
+
+    bed = Bed(tmp_path, host_managed=True, budget_s=0.3, host_check=host_check)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd, "All")
+    assert await bed.preparer.prepare([ref]) == {} and calls > 1
+    ready = True
+    result = (await bed.preparer.prepare([ref]))[ref.uid]
+    assert result.ok
+    assert [n["minor"] for n in spec_nodes(bed, ref.uid)] == [0], "hostManaged always hands out channel 0 only"
+    assert bed.labels.writes == 0, "no node label in hostManaged mode"
+    daemon = bed.daemon_claim(cd)
+    error = (await bed.preparer.prepare([daemon]))[daemon.uid].error
+    assert "permanent error" in error and "hostManaged" in error
+
+
+async def test_fifty_claims_at_once(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, budget_s=20)
+    refs = [bed.daemon_claim(bed.domains.add("team-a", name=f"cd{i}")) for i in range(50)]
+    results = await bed.preparer.prepare(refs)
+    assert len(results) == 50 and all(r.ok for r in results.values())
+    assert len(bed.store.read().in_state(ClaimState.PREPARE_COMPLETED)) == 50
