@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from computedomain.api.constants import CLIQUE_LABEL
 from computedomain.kube.client import PODS, ClientConfig, KubeClient
 from computedomain.kube.errors import KubeError
-from imex.config import ImexConfigError, hostname_prefix, render_imexd_cfg, render_nodes_cfg_dns
+from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
 from imex.daemon.files import write_file_atomically
 from imex.daemon.peers import PeerFiles, PeerSync
 from imex.daemon.process import ImexProcess
@@ -89,7 +89,7 @@ def write_imex_config(settings: DaemonSettings) -> None:
     )
     if settings.dns_names:
         write_file_atomically(
-            settings.nodes_cfg_path, render_nodes_cfg_dns(hostname_prefix(settings.cd_uid), settings.max_nodes)
+            settings.nodes_cfg_path, render_nodes_cfg_dns(settings.hostname_prefix, settings.max_nodes)
         )
 
 
@@ -117,7 +117,7 @@ def build(settings: DaemonSettings, client: KubeClient) -> Daemon:
     files = PeerFiles(
         hosts_file=Path(settings.hosts_file),
         hosts_block=settings.cd_uid,
-        hostname_prefix=hostname_prefix(settings.cd_uid),
+        hostname_prefix=settings.hostname_prefix,
         nodes_cfg=settings.nodes_cfg_path,
         max_nodes=settings.max_nodes,
     )

@@ -14,12 +14,14 @@ needs live in ``validate_for_run`` instead of the constructor.
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
 from computedomain.settings import CommonSettings, FeatureGate, SettingsError, _opt
+from imex.config import hostname_prefix
 
 __all__ = ["DaemonSettings"]
 
@@ -37,6 +39,11 @@ class DaemonSettings(CommonSettings):
     cd_namespace: str = _opt("COMPUTE_DOMAIN_NAMESPACE", "namespace of the ComputeDomain (CDI)", default="default")
     max_nodes: int = _opt(
         "MAX_NODES_PER_IMEX_DOMAIN", "DNS slots per clique (the controller's value)", default=MAX_NODES_PER_IMEX_DOMAIN
+    )
+    hostname_prefix_text: str = _opt(
+        "IMEX_HOSTNAME_PREFIX",
+        "per-CD prefix of the slot names (the controller's); empty: derived from the CD UID",
+        default="",
     )
     imexd_dir: str = _opt("IMEXD_DIR", "directory of imexd.cfg and nodes.cfg", default="/imexd")
     hosts_file: str = _opt("HOSTS_FILE", "hosts file that maps the IMEX slot names", default="/etc/hosts")
@@ -73,6 +80,13 @@ class DaemonSettings(CommonSettings):
         ):
             if value < 0:
                 raise SettingsError(f"{env} {value!r} must not be negative")
+        if self.hostname_prefix_text and not re.fullmatch(
+            r"[a-z0-9]([a-z0-9-]{0,56}[a-z0-9])?", self.hostname_prefix_text
+        ):
+            raise SettingsError(
+                f"IMEX_HOSTNAME_PREFIX {self.hostname_prefix_text!r} must be a DNS label of at most 58 characters "
+                "(lower-case letters, digits, '-'), leaving room for the -NNNN slot suffix"
+            )
         if self.clique_id and ("/" in self.clique_id or self.clique_id != self.clique_id.strip()):
             raise SettingsError(f"CLIQUE_ID {self.clique_id!r} is malformed; want <clusterUUID>.<cliqueId>")
 
@@ -85,6 +99,11 @@ class DaemonSettings(CommonSettings):
     @property
     def use_cliques(self) -> bool:
         return self.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES)
+
+    @property
+    def hostname_prefix(self) -> str:
+        """The slot-name prefix: the controller's IMEX_HOSTNAME_PREFIX when given, else derived the same way."""
+        return self.hostname_prefix_text or hostname_prefix(self.cd_uid)
 
     @property
     def imexd_cfg_path(self) -> Path:

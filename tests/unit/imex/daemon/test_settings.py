@@ -91,3 +91,12 @@ def test_bad_values(env: dict[str, str], message: str) -> None:
 def test_check_needs_no_identity() -> None:
     s = load_settings(DaemonSettings, environ={"CLIQUE_ID": ""})
     assert s.clique_id == ""
+
+
+def test_hostname_prefix_from_the_controller_or_derived() -> None:
+    derived = load_settings(DaemonSettings, environ=ENV)
+    assert derived.hostname_prefix == "compute-domain-daemon-1b4e28ba2fa1411d8a1f6ec5c1f3a8e2"
+    given = load_settings(DaemonSettings, environ={**ENV, "IMEX_HOSTNAME_PREFIX": "cd-abc"})
+    assert given.hostname_prefix == "cd-abc"
+    with pytest.raises(SettingsError, match="IMEX_HOSTNAME_PREFIX"):
+        load_settings(DaemonSettings, environ={**ENV, "IMEX_HOSTNAME_PREFIX": "Bad_Prefix"})
