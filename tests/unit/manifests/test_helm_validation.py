@@ -1,0 +1,136 @@
+"""`helm template` refuses the invalid combinations of SPEC section 3 with the processes' own messages:
+each case renders the chart with some values and loads the process settings from the equivalent env; the
+SettingsError text must appear verbatim in helm's error."""
+
+from __future__ import annotations
+
+import pytest
+
+from computedomain.settings import ControllerSettings, PluginSettings, SettingsError, load_settings
+from tests.unit.manifests.chart import render, template_error
+
+GATE = "featureGates.HostManagedIMEXDaemon=true"
+
+# (helm --set values, env of the process, settings class, the value helm must name)
+CASES = [
+    (["resources.computeDomains.imex.mode=bogus"], {"IMEX_MODE": "bogus"}, ControllerSettings, "imex.mode"),
+    (["resources.computeDomains.imex.mode="], {"IMEX_MODE": ""}, ControllerSettings, "imex.mode"),
+    (
+        ["resources.computeDomains.imex.mode=hostManaged"],
+        {"IMEX_MODE": "hostManaged"},
+        ControllerSettings,
+        "featureGates.HostManagedIMEXDaemon",
+    ),
+    (
+        ["resources.computeDomains.imex.mode=hostManaged", "featureGates.HostManagedIMEXDaemon=false"],
+        {"IMEX_MODE": "hostManaged", "FEATURE_GATES": "HostManagedIMEXDaemon=false,"},
+        ControllerSettings,
+        "featureGates.HostManagedIMEXDaemon",
+    ),
+    (
+        ["resources.computeDomains.imex.isolation=channel"],
+        {"IMEX_ISOLATION": "channel"},
+        ControllerSettings,
+        "imex.isolation",
+    ),
+    (
+        ["resources.computeDomains.imex.mode=hostManaged", GATE, "resources.computeDomains.imex.isolation=channel"],
+        {"IMEX_MODE": "hostManaged", "FEATURE_GATES": "HostManagedIMEXDaemon=true,", "IMEX_ISOLATION": "channel"},
+        ControllerSettings,
+        "imex.isolation",
+    ),
+    (["resources.computeDomains.imex.isolation=node"], {"IMEX_ISOLATION": "node"}, ControllerSettings, "isolation"),
+    (
+        ["featureGates.IMEXDaemonsWithDNSNames=false"],
+        {"FEATURE_GATES": "IMEXDaemonsWithDNSNames=false,"},
+        ControllerSettings,
+        "featureGates",
+    ),
+    (
+        ["resources.computeDomains.imex.hostSocketPath=etc/imex.sock"],
+        {"IMEX_HOST_SOCKET_PATH": "etc/imex.sock"},
+        PluginSettings,
+        "hostSocketPath",
+    ),
+    (
+        ["resources.computeDomains.imex.hostSocketPath=/etc/../imex.sock"],
+        {"IMEX_HOST_SOCKET_PATH": "/etc/../imex.sock"},
+        PluginSettings,
+        "hostSocketPath",
+    ),
+    (
+        ["resources.computeDomains.imex.hostSocketPath=/etc//imex.sock"],
+        {"IMEX_HOST_SOCKET_PATH": "/etc//imex.sock"},
+        PluginSettings,
+        "hostSocketPath",
+    ),
+    (
+        ["resources.computeDomains.imex.hostSocketPath=/etc/imex/"],
+        {"IMEX_HOST_SOCKET_PATH": "/etc/imex/"},
+        PluginSettings,
+        "hostSocketPath",
+    ),
+    (["featureGates.NoSuchGate=true"], {"FEATURE_GATES": "NoSuchGate=true,"}, ControllerSettings, "featureGates"),
+    (
+        ["featureGates.ComputeDomainCliques=maybe"],
+        {"FEATURE_GATES": "ComputeDomainCliques=maybe,"},
+        ControllerSettings,
+        "featureGates.ComputeDomainCliques",
+    ),
+    (["logLevel=chatty"], {"LOG_LEVEL": "chatty"}, ControllerSettings, "logLevel"),
+    (["logFormat=xml"], {"LOG_FORMAT": "xml"}, ControllerSettings, "logFormat"),
+    (["maxNodesPerIMEXDomain=0"], {"MAX_NODES_PER_IMEX_DOMAIN": "0"}, ControllerSettings, "maxNodesPerIMEXDomain"),
+    (
+        ["controller.leaderElection.renewDeadline=20"],
+        {"LEADER_ELECTION_ENABLED": "true", "POD_NAME": "p", "LEADER_ELECTION_RENEW_DEADLINE": "20s"},
+        ControllerSettings,
+        "controller.leaderElection",
+    ),
+    (["kubeletPlugin.cdiRoot=var/run/cdi"], {"CDI_ROOT": "var/run/cdi"}, PluginSettings, "kubeletPlugin.cdiRoot"),
+]
+
+
+def _settings_message(env: dict[str, str], cls: type) -> str:
+    base = {"NODE_NAME": "n1"} if cls is PluginSettings else {}
+    with pytest.raises(SettingsError) as err:
+        load_settings(cls, environ={**base, **env})
+    return str(err.value)
+
+
+@pytest.mark.parametrize(("sets", "env", "cls", "value"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_helm_template_fails_with_the_process_message(
+    sets: list[str], env: dict[str, str], cls: type, value: str
+) -> None:
+    expected = _settings_message(env, cls)
+    stderr = template_error(*sets)
+    assert expected in stderr, f"helm said:\n{stderr}\nprocess says:\n{expected}"
+    assert "(values: " in stderr and value in stderr.split("(values: ")[-1]
+    (line,) = [ln for ln in stderr.splitlines() if expected in ln]  # one line, as the processes print it
+    assert line.startswith("Error: execution error at (compute-domain/templates/validate.yaml")
+
+
+def test_set_string_false_is_false() -> None:
+    """Upstream treats --set-string Gate=false as enabled in Helm and disabled in the binaries; not here."""
+    assert "HostManagedIMEXDaemon" in template_error(
+        "resources.computeDomains.imex.mode=hostManaged", "featureGates.HostManagedIMEXDaemon=False"
+    )
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        ["resources.computeDomains.imex.mode=hostManaged", GATE],
+        # In hostManaged mode the DNS-name and clique gates are forced off, so their dependency does not apply.
+        ["resources.computeDomains.imex.mode=hostManaged", GATE, "featureGates.IMEXDaemonsWithDNSNames=false"],
+        ["featureGates.IMEXDaemonsWithDNSNames=false", "featureGates.ComputeDomainCliques=false"],
+        ["featureGates.MPSSupport=true", "logLevel=DEBUG"],
+        ["resources.computeDomains.imex.hostSocketPath=/run/imex/ctl.sock"],
+    ],
+)
+def test_valid_combinations_render(sets: list[str]) -> None:
+    assert render(*sets).all("Deployment")
+
+
+def test_disabled_renders_nothing_and_skips_validation() -> None:
+    assert render("resources.computeDomains.enabled=false", "resources.computeDomains.imex.mode=bogus").objects == []
