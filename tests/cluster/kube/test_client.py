@@ -143,7 +143,8 @@ async def test_watch_streams_events_and_too_old_version_is_gone(
     now = await kube.create(CONFIGMAPS, configmap("w2"), namespace=namespace)
     await asyncio.to_thread(compact_etcd, cluster, int(now["metadata"]["resourceVersion"]))
     with pytest.raises(errors.Gone) as gone:
-        async with contextlib.aclosing(kube.watch(CONFIGMAPS, namespace=namespace, resource_version="1")) as old:
+        old_watch = kube.watch(CONFIGMAPS, namespace=namespace, resource_version="1", timeout_seconds=10)
+        async with contextlib.aclosing(old_watch) as old:
             async for _ in old:
                 pass
     assert gone.value.status == 410
