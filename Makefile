@@ -5,7 +5,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help install testbin cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds bench
+.PHONY: help install testbin cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds bench bench-controller bench-plugin
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -57,5 +57,11 @@ typecheck: install ## mypy --strict on the packages
 crds: install ## regenerate manifests/crds from the pydantic models
 	@$(PY) -m computedomain.api.crdgen manifests/crds
 
-bench: install testbin ## all benchmarks (medians and ratios, not pass/fail)
+bench: install testbin ## all benchmarks in one report (medians, p99 and ratios; not pass/fail)
 	@$(PY) -m tests.bench
+
+bench-controller: install testbin ## controller benchmarks (SPEC section 9)
+	@$(PY) -m tests.bench controller
+
+bench-plugin: install testbin ## node agent Prepare benchmarks (SPEC section 9)
+	@$(PY) -m tests.bench plugin
