@@ -140,8 +140,9 @@ def validate_host_socket_path(path: str) -> str:
 # --- Settings objects ----------------------------------------------------------------------------------
 
 
-def _opt(env: str, help: str, **extra: Any) -> Any:
-    """Declare a setting: its env var, help text and defaults. The flag is derived from the env name."""
+def setting(env: str, help: str, **extra: Any) -> Any:
+    """Declare a setting of a settings dataclass: its env var, help text and default. The flag is derived
+    from the env name; `load_settings` fills the field from flag, env or default."""
     default = extra.pop("default", None)
     factory = extra.pop("default_factory", None)
     meta = {"env": env, "help": help, **extra}
@@ -152,20 +153,20 @@ def _opt(env: str, help: str, **extra: Any) -> Any:
 
 @dataclass(frozen=True)
 class CommonSettings:
-    feature_gates_text: str = _opt("FEATURE_GATES", "Feature gates, e.g. 'A=true,B=false'", default="")
-    imex_mode_text: str = _opt("IMEX_MODE", "driverManaged or hostManaged", default="driverManaged")
-    imex_isolation_text: str = _opt("IMEX_ISOLATION", "domain (channel: not implemented)", default="domain")
-    imex_host_socket_path: str = _opt(
+    feature_gates_text: str = setting("FEATURE_GATES", "Feature gates, e.g. 'A=true,B=false'", default="")
+    imex_mode_text: str = setting("IMEX_MODE", "driverManaged or hostManaged", default="driverManaged")
+    imex_isolation_text: str = setting("IMEX_ISOLATION", "domain (channel: not implemented)", default="domain")
+    imex_host_socket_path: str = setting(
         "IMEX_HOST_SOCKET_PATH",
         "host IMEX command socket, relative to the driver root",
         default=DEFAULT_HOST_SOCKET_PATH,
     )
-    namespace: str = _opt("NAMESPACE", "the driver namespace", default="default")
-    kubeconfig: str = _opt("KUBECONFIG", "kubeconfig path; empty means in-cluster", default="")
-    kube_api_qps: float = _opt("KUBE_API_QPS", "client-side request rate limit", default=20.0)
-    kube_api_burst: int = _opt("KUBE_API_BURST", "client-side burst", default=40)
-    log_level: str = _opt("LOG_LEVEL", "debug, info, warning or error", default="info")
-    log_format: str = _opt("LOG_FORMAT", "text or json", default="text")
+    namespace: str = setting("NAMESPACE", "the driver namespace", default="default")
+    kubeconfig: str = setting("KUBECONFIG", "kubeconfig path; empty means in-cluster", default="")
+    kube_api_qps: float = setting("KUBE_API_QPS", "client-side request rate limit", default=20.0)
+    kube_api_burst: int = setting("KUBE_API_BURST", "client-side burst", default=40)
+    log_level: str = setting("LOG_LEVEL", "debug, info, warning or error", default="info")
+    log_format: str = setting("LOG_FORMAT", "text or json", default="text")
 
     # Derived in __post_init__; never read from the environment.
     feature_gates: FeatureGates = field(default_factory=FeatureGates, metadata={"derived": True})
@@ -224,30 +225,30 @@ def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> 
 
 @dataclass(frozen=True)
 class ControllerSettings(CommonSettings):
-    pod_name: str = _opt("POD_NAME", "this pod's name (leader election identity)", default="")
-    image_name: str = _opt("IMAGE_NAME", "image of the IMEX daemon pods", default="")
-    daemon_image_pull_secrets: str = _opt(
+    pod_name: str = setting("POD_NAME", "this pod's name (leader election identity)", default="")
+    image_name: str = setting("IMAGE_NAME", "image of the IMEX daemon pods", default="")
+    daemon_image_pull_secrets: str = setting(
         "CD_DAEMON_IMAGE_PULL_SECRET_NAMES", "pull secrets of the daemon pods, comma separated", default=""
     )
-    daemon_log_level: str = _opt("LOG_LEVEL_CD_DAEMON", "log level handed to the daemons", default="info")
-    max_nodes_per_imex_domain: int = _opt(
+    daemon_log_level: str = setting("LOG_LEVEL_CD_DAEMON", "log level handed to the daemons", default="info")
+    max_nodes_per_imex_domain: int = setting(
         "MAX_NODES_PER_IMEX_DOMAIN", "DNS slots per clique", default=MAX_NODES_PER_IMEX_DOMAIN
     )
-    http_endpoint: str = _opt("HTTP_ENDPOINT", "host:port for /metrics, /healthz, /readyz", default="")
-    metrics_path: str = _opt("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
-    additional_namespaces: str = _opt(
+    http_endpoint: str = setting("HTTP_ENDPOINT", "host:port for /metrics, /healthz, /readyz", default="")
+    metrics_path: str = setting("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
+    additional_namespaces: str = setting(
         "ADDITIONAL_NAMESPACES", "more namespaces the daemons may run in, comma separated", default=""
     )
-    leader_election_enabled: bool = _opt("LEADER_ELECTION_ENABLED", "use a Lease to elect one writer", default=False)
-    leader_election_namespace: str = _opt(
+    leader_election_enabled: bool = setting("LEADER_ELECTION_ENABLED", "use a Lease to elect one writer", default=False)
+    leader_election_namespace: str = setting(
         "LEADER_ELECTION_LEASE_LOCK_NAMESPACE", "namespace of the Lease", default="default"
     )
-    leader_election_name: str = _opt(
+    leader_election_name: str = setting(
         "LEADER_ELECTION_LEASE_LOCK_NAME", "name of the Lease", default="nvidia-compute-domain-controller"
     )
-    leader_election_lease_duration: float = _opt("LEADER_ELECTION_LEASE_DURATION", "seconds", default=15.0)
-    leader_election_renew_deadline: float = _opt("LEADER_ELECTION_RENEW_DEADLINE", "seconds", default=10.0)
-    leader_election_retry_period: float = _opt("LEADER_ELECTION_RETRY_PERIOD", "seconds", default=2.0)
+    leader_election_lease_duration: float = setting("LEADER_ELECTION_LEASE_DURATION", "seconds", default=15.0)
+    leader_election_renew_deadline: float = setting("LEADER_ELECTION_RENEW_DEADLINE", "seconds", default=10.0)
+    leader_election_retry_period: float = setting("LEADER_ELECTION_RETRY_PERIOD", "seconds", default=2.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -277,18 +278,18 @@ class ControllerSettings(CommonSettings):
 
 @dataclass(frozen=True)
 class PluginSettings(CommonSettings):
-    node_name: str = _opt("NODE_NAME", "this node's name", default="")
-    kubelet_registrar_dir: str = _opt(
+    node_name: str = setting("NODE_NAME", "this node's name", default="")
+    kubelet_registrar_dir: str = setting(
         "KUBELET_REGISTRAR_DIRECTORY_PATH", "kubelet plugin registry dir", default="/var/lib/kubelet/plugins_registry"
     )
-    kubelet_plugins_dir: str = _opt(
+    kubelet_plugins_dir: str = setting(
         "KUBELET_PLUGINS_DIRECTORY_PATH", "kubelet plugins dir", default="/var/lib/kubelet/plugins"
     )
-    cdi_root: str = _opt("CDI_ROOT", "where CDI specs are written", default="/var/run/cdi")
-    driver_root: str = _opt("NVIDIA_DRIVER_ROOT", "root of the NVIDIA driver installation", default="/")
-    proc_root: str = _opt("PROC_ROOT", "where /proc of the host is visible", default="/proc")
-    health_port: int = _opt("HEALTHCHECK_PORT", "gRPC health port (negative disables)", default=HEALTH_PORT)
-    gpu_clique_label_enabled: bool = _opt(
+    cdi_root: str = setting("CDI_ROOT", "where CDI specs are written", default="/var/run/cdi")
+    driver_root: str = setting("NVIDIA_DRIVER_ROOT", "root of the NVIDIA driver installation", default="/")
+    proc_root: str = setting("PROC_ROOT", "where /proc of the host is visible", default="/proc")
+    health_port: int = setting("HEALTHCHECK_PORT", "gRPC health port (negative disables)", default=HEALTH_PORT)
+    gpu_clique_label_enabled: bool = setting(
         "GPU_CLIQUE_LABEL_ENABLED", "maintain the nvidia.com/gpu.clique node label", default=False
     )
 
@@ -386,5 +387,6 @@ __all__ = [
     "SettingsError",
     "describe",
     "load_settings",
+    "setting",
     "validate_host_socket_path",
 ]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
-from computedomain.settings import CommonSettings, FeatureGate, SettingsError, _opt
+from computedomain.settings import CommonSettings, FeatureGate, SettingsError, setting
 from imex.config import hostname_prefix
 
 __all__ = ["DaemonSettings"]
@@ -28,43 +28,43 @@ __all__ = ["DaemonSettings"]
 
 @dataclass(frozen=True)
 class DaemonSettings(CommonSettings):
-    node_name: str = _opt("NODE_NAME", "this node's name (downward API)", default="")
-    pod_ip: str = _opt("POD_IP", "this pod's IP (downward API); IMEX peers reach us here", default="")
-    pod_uid: str = _opt("POD_UID", "this pod's UID (downward API); owner of the clique object", default="")
-    pod_name: str = _opt("POD_NAME", "this pod's name (downward API)", default="")
-    pod_namespace: str = _opt("POD_NAMESPACE", "this pod's namespace: the driver namespace", default="")
-    clique_id: str = _opt("CLIQUE_ID", "NVLink clique of the node (CDI); empty: no fabric", default="")
-    cd_uid: str = _opt("COMPUTE_DOMAIN_UUID", "UID of the ComputeDomain (CDI)", default="")
-    cd_name: str = _opt("COMPUTE_DOMAIN_NAME", "name of the ComputeDomain (CDI)", default="")
-    cd_namespace: str = _opt("COMPUTE_DOMAIN_NAMESPACE", "namespace of the ComputeDomain (CDI)", default="default")
-    max_nodes: int = _opt(
+    node_name: str = setting("NODE_NAME", "this node's name (downward API)", default="")
+    pod_ip: str = setting("POD_IP", "this pod's IP (downward API); IMEX peers reach us here", default="")
+    pod_uid: str = setting("POD_UID", "this pod's UID (downward API); owner of the clique object", default="")
+    pod_name: str = setting("POD_NAME", "this pod's name (downward API)", default="")
+    pod_namespace: str = setting("POD_NAMESPACE", "this pod's namespace: the driver namespace", default="")
+    clique_id: str = setting("CLIQUE_ID", "NVLink clique of the node (CDI); empty: no fabric", default="")
+    cd_uid: str = setting("COMPUTE_DOMAIN_UUID", "UID of the ComputeDomain (CDI)", default="")
+    cd_name: str = setting("COMPUTE_DOMAIN_NAME", "name of the ComputeDomain (CDI)", default="")
+    cd_namespace: str = setting("COMPUTE_DOMAIN_NAMESPACE", "namespace of the ComputeDomain (CDI)", default="default")
+    max_nodes: int = setting(
         "MAX_NODES_PER_IMEX_DOMAIN", "DNS slots per clique (the controller's value)", default=MAX_NODES_PER_IMEX_DOMAIN
     )
-    hostname_prefix_text: str = _opt(
+    hostname_prefix_text: str = setting(
         "IMEX_HOSTNAME_PREFIX",
         "per-CD prefix of the slot names (the controller's); empty: derived from the CD UID",
         default="",
     )
-    imexd_dir: str = _opt("IMEXD_DIR", "directory of imexd.cfg and nodes.cfg", default="/imexd")
-    hosts_file: str = _opt("HOSTS_FILE", "hosts file that maps the IMEX slot names", default="/etc/hosts")
-    imex_binary: str = _opt("IMEX_BINARY", "the nvidia-imex executable (PATH lookup if bare)", default="nvidia-imex")
-    imex_ctl_binary: str = _opt(
+    imexd_dir: str = setting("IMEXD_DIR", "directory of imexd.cfg and nodes.cfg", default="/imexd")
+    hosts_file: str = setting("HOSTS_FILE", "hosts file that maps the IMEX slot names", default="/etc/hosts")
+    imex_binary: str = setting("IMEX_BINARY", "the nvidia-imex executable (PATH lookup if bare)", default="nvidia-imex")
+    imex_ctl_binary: str = setting(
         "IMEX_CTL_BINARY", "the nvidia-imex-ctl executable (PATH lookup if bare)", default="nvidia-imex-ctl"
     )
-    sigusr1_interval: float = _opt(
+    sigusr1_interval: float = setting(
         "IMEX_SIGUSR1_INTERVAL", "IMEX honours SIGUSR1 at most once per this many seconds", default=5.0
     )
-    imex_stop_timeout: float = _opt(
+    imex_stop_timeout: float = setting(
         "IMEX_STOP_TIMEOUT", "seconds between SIGTERM and SIGKILL when stopping nvidia-imex", default=10.0
     )
-    restart_backoff_initial: float = _opt(
+    restart_backoff_initial: float = setting(
         "IMEX_RESTART_BACKOFF_INITIAL", "first delay before restarting a crashed nvidia-imex", default=1.0
     )
-    restart_backoff_max: float = _opt(
+    restart_backoff_max: float = setting(
         "IMEX_RESTART_BACKOFF_MAX", "longest delay between restarts of a crash-looping nvidia-imex", default=30.0
     )
-    check_timeout: float = _opt("CHECK_TIMEOUT", "deadline of nvidia-imex-ctl in `check`", default=8.0)
-    shutdown_timeout: float = _opt("SHUTDOWN_TIMEOUT", "deadline for removing our entry after SIGTERM", default=10.0)
+    check_timeout: float = setting("CHECK_TIMEOUT", "deadline of nvidia-imex-ctl in `check`", default=8.0)
+    shutdown_timeout: float = setting("SHUTDOWN_TIMEOUT", "deadline for removing our entry after SIGTERM", default=10.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
