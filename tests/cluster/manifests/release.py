@@ -1,0 +1,136 @@
+"""Installing the chart into the test bed, and acting as the kubelet for the few pods these tests need to
+run: a pod's command runs here with the pod's env and a token of its ServiceAccount bound to the pod (so
+the apiserver sees the pod's real identity, node name included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.conftest import REPO, Cluster
+
+CHART = REPO / "manifests" / "helm" / "compute-domain"
+HELM = REPO / ".cluster" / "bin" / "helm"
+SELECT_LABEL = "compute-domain.test/chart"
+
+
+def helm(cluster: Cluster, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HELM_CACHE_HOME": "/tmp/helm-cache"}
+    result = subprocess.run([str(HELM), *args], capture_output=True, text=True, env=env, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed: {result.stderr}")
+    return result
+
+
+def install_args(release: str, namespace: str, selector: str, *sets: str) -> list[str]:
+    """The shared cluster already has the DeviceClasses (tests/conftest.py) and other tests' GPU nodes:
+    leave the DeviceClasses alone and put this release's pods only on nodes labelled for it."""
+    base = [
+        "resources.computeDomains.deviceClasses=false",
+        f"controller.nodeSelector.{SELECT_LABEL.replace('.', chr(92) + '.')}={selector}",
+        f"kubeletPlugin.nodeSelector.{SELECT_LABEL.replace('.', chr(92) + '.')}={selector}",
+    ]
+    args = ["install", release, str(CHART), "--namespace", namespace]
+    for item in [*base, *sets]:
+        args += ["--set", item]
+    return args
+
+
+def bound_kubeconfig(cluster: Cluster, namespace: str, service_account: str, pod: str, path: Path) -> Path:
+    """A kubeconfig holding only a token of `service_account` bound to `pod`."""
+    token = cluster.kubectl(
+        "create", "token", service_account, "-n", namespace, "--bound-object-kind=Pod",
+        f"--bound-object-name={pod}", "--duration=1h",
+    ).strip()  # fmt: skip
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    server = admin["clusters"][0]["cluster"]
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": server}],
+                "users": [{"name": "u", "user": {"token": token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": namespace}}],
+                "current-context": "c",
+            }
+        )
+    )
+    return path
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 60.0, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def running_pod(cluster: Cluster, namespace: str, selector: str) -> dict[str, Any] | None:
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json"))["items"]
+    running = [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+    return running[0] if running else None
+
+
+def pod_env(pod: dict[str, Any], container: str) -> dict[str, str]:
+    fields = {
+        "metadata.name": pod["metadata"]["name"],
+        "metadata.namespace": pod["metadata"]["namespace"],
+        "spec.nodeName": pod["spec"].get("nodeName", ""),
+    }
+    (c,) = [c for c in pod["spec"]["containers"] if c["name"] == container]
+    env = {}
+    for item in c.get("env", []):
+        source = item.get("valueFrom")  # an empty value comes back from the apiserver without "value"
+        env[item["name"]] = fields[source["fieldRef"]["fieldPath"]] if source else item.get("value", "")
+    return env
+
+
+def local_argv(command: list[str]) -> list[str]:
+    """The container's command with its `python` replaced by this interpreter (same packages)."""
+    return [sys.executable if command[0] == "python" else command[0], *command[1:]]
+
+
+def run_like_pod(
+    cluster: Cluster, pod: dict[str, Any], container: str, tmp: Path, *, argv: list[str] | None = None
+) -> subprocess.Popen[str]:
+    """Start `container` of `pod` here: its command (or `argv`), its env, its ServiceAccount's bound token."""
+    kubeconfig = bound_kubeconfig(
+        cluster, pod["metadata"]["namespace"], pod["spec"]["serviceAccountName"], pod["metadata"]["name"],
+        tmp / f"{pod['metadata']['name']}-{uuid.uuid4().hex[:6]}.kubeconfig",
+    )  # fmt: skip
+    (c,) = [c for c in pod["spec"]["containers"] if c["name"] == container]
+    env = {**os.environ, **pod_env(pod, container), "KUBECONFIG": str(kubeconfig), "PYTHONPATH": str(REPO)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    log = (tmp / f"{pod['metadata']['name']}.log").open("w")
+    return subprocess.Popen(
+        argv or local_argv(c["command"]), env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO
+    )
+
+
+def mark_succeeded(cluster: Cluster, pod: dict[str, Any]) -> None:
+    """Report the pod's containers as exited 0, as a kubelet would."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    statuses = [
+        {
+            "name": c["name"], "image": c["image"], "imageID": "", "ready": False, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now}},
+        }
+        for c in pod["spec"]["containers"]
+    ]  # fmt: skip
+    patch = {"status": {"phase": "Succeeded", "containerStatuses": statuses}}
+    cluster.kubectl(
+        "patch", "pod", pod["metadata"]["name"], "-n", pod["metadata"]["namespace"], "--subresource=status",
+        "--type=merge", "-p", json.dumps(patch),
+    )  # fmt: skip
