@@ -20,7 +20,18 @@ from computedomain.settings import (
     PluginSettings,
     load_settings,
 )
-from tests.unit.manifests.chart import CHART, HOST_MANAGED, KUBECTL, REPO, Rendered, container, env_of, generate, render
+from tests.unit.manifests.chart import (
+    CHART,
+    HOST_MANAGED,
+    KUBECTL,
+    REPO,
+    Rendered,
+    container,
+    env_of,
+    generate,
+    need_helm,
+    render,
+)
 
 FIELDS = {"metadata.name": "pod-1", "metadata.namespace": "nvidia-compute-domain", "spec.nodeName": "node-1"}
 
@@ -225,6 +236,7 @@ def test_device_classes_match_manifests_deviceclasses(default: Rendered) -> None
 
 
 def test_kustomize_base_is_generated_from_the_chart() -> None:
+    need_helm()
     stale = [str(p) for p, text in generate.render().items() if not p.exists() or p.read_text() != text]
     assert not stale, f"run `python manifests/generate.py`: {stale}"
 
