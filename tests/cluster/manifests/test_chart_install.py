@@ -40,8 +40,8 @@ class Release:
         self.installed = False
 
     def install(self, *sets: str) -> None:
+        self.installed = True  # a failed install leaves a failed release (and cluster-wide objects) to remove
         helm(self.cluster, *install_args(self.name, self.namespace, self.selector, *sets))
-        self.installed = True
 
     def cluster_objects(self) -> list[str]:
         out = self.cluster.kubectl(
