@@ -5,7 +5,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help install testbin cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds bench bench-controller bench-plugin
+.PHONY: help install testbin cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds manifests bench bench-controller bench-plugin
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -54,8 +54,12 @@ format: install ## apply ruff formatting and fixes
 typecheck: install ## mypy --strict on the packages
 	@.venv/bin/mypy
 
-crds: install ## regenerate manifests/crds from the pydantic models
+crds: install ## regenerate manifests/crds from the pydantic models (then the chart and base, see manifests)
 	@$(PY) -m computedomain.api.crdgen manifests/crds
+	@$(MAKE) --no-print-directory manifests
+
+manifests: install testbin ## regenerate manifests/base and the chart's CRDs from the chart
+	@$(PY) manifests/generate.py
 
 bench: install testbin ## all benchmarks in one report (medians, p99 and ratios; not pass/fail)
 	@$(PY) -m tests.bench
