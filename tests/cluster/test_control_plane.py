@@ -3,15 +3,25 @@ and the real scheduler allocating a compute-domain.nvidia.com device to a pod on
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import shutil
+import tempfile
 import time
 import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from computedomain.api.constants import CHANNEL_DEVICE_CLASS, DRIVER_NAME
+from computedomain.kube.client import KubeClient
+from computedomain.plugin.grpc_server import PluginServer, SocketPaths
+from computedomain.plugin.preparer import ClaimRef, ClaimUid, PrepareResult, UnprepareResult
 from tests.conftest import Cluster, MakeNode
+from tests.testbed.kubelet import KubeletStandIn
 
 pytestmark = pytest.mark.cluster
 
@@ -141,9 +151,30 @@ def _wait(predicate: Any, timeout: float = 60.0, what: str = "condition") -> Any
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_scheduler_allocates_a_channel_on_a_kwok_node(cluster: Cluster, namespace: str, make_node: MakeNode) -> None:
+class _AcceptingPreparer:
+    """Prepares every claim with no devices: the test is about scheduling, not about the node agent."""
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, PrepareResult]:
+        return {c.uid: PrepareResult() for c in claims}
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, UnprepareResult]:
+        return {c.uid: UnprepareResult() for c in claims}
+
+
+async def test_scheduler_allocates_a_channel_on_a_kwok_node(
+    cluster: Cluster, namespace: str, make_node: MakeNode
+) -> None:
     node = make_node(clique=f"{uuid.uuid4()}.1")["metadata"]["name"]
     cluster.apply(_resource_slice(node))
+    # kwok runs a pod with claims only once the kubelet stand-in has prepared them (kwok-stages.yaml).
+    sockets = Path(tempfile.mkdtemp(prefix="cp-", dir="/tmp"))
+    server = PluginServer(
+        _AcceptingPreparer(), SocketPaths.for_driver(sockets / "reg", sockets / "plugins"), health_port=None
+    )
+    await server.start()
+    client = await KubeClient.connect(kubeconfig=cluster.kubeconfig)
+    standin = KubeletStandIn(client, node, sockets / "reg", backoff_s=1.0)
+    standin_task = asyncio.create_task(standin.run())
     try:
         cluster.apply(
             {
@@ -180,17 +211,29 @@ def test_scheduler_allocates_a_channel_on_a_kwok_node(cluster: Cluster, namespac
             statuses = cluster.get("pod", "worker", namespace).get("status", {}).get("resourceClaimStatuses", [])
             return statuses[0].get("resourceClaimName") if statuses else None
 
-        name = _wait(claim_name, what="the controller-manager to create the ResourceClaim")
-        claim = _wait(
+        name = await asyncio.to_thread(_wait, claim_name, what="the controller-manager to create the ResourceClaim")
+        claim = await asyncio.to_thread(
+            _wait,
             lambda: (c := cluster.get("resourceclaim", name, namespace)).get("status", {}).get("allocation") and c,
             what="the scheduler to allocate the claim",
         )
         (result,) = claim["status"]["allocation"]["devices"]["results"]
         assert (result["driver"], result["pool"], result["device"]) == (DRIVER_NAME, node, "channel-0")
-        pod = _wait(
+        pod = await asyncio.to_thread(
+            _wait,
             lambda: (p := cluster.get("pod", "worker", namespace)).get("status", {}).get("phase") == "Running" and p,
             what="kwok to run the pod",
         )
         assert pod["spec"]["nodeName"] == node
+        cluster.kubectl("delete", "pod", "worker", "-n", namespace, "--wait=false")
+        await asyncio.to_thread(
+            _wait, lambda: cluster.try_kubectl("get", "pod", "worker", "-n", namespace)[0] != 0, what="the pod to go"
+        )
     finally:
+        standin_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await standin_task
+        await client.close()
+        await server.stop(0)
+        shutil.rmtree(sockets, ignore_errors=True)
         cluster.kubectl("delete", "resourceslice", f"{node}-{DRIVER_NAME}", "--wait=false", check=False)

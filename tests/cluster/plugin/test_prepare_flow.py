@@ -1,0 +1,160 @@
+"""The node agent as a real process on simulated nodes: the real scheduler allocates the channel from our
+ResourceSlice, the kubelet stand-in prepares through the gRPC sockets, kwok runs the pod only then."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
+from tests.cluster.plugin.conftest import Harness, eventually
+from tests.testbed.kubelet import PREPARED_ANNOTATION
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+
+async def test_resourceslice_is_published_owned_by_the_node(harness: Harness) -> None:
+    node = await harness.add_node()
+    rs = harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}")
+    assert rs is not None
+    assert rs["spec"]["pool"] == {"name": node.name, "generation": 1, "resourceSliceCount": 1}
+    assert rs["spec"]["nodeName"] == node.name and rs["spec"]["driver"] == DRIVER_NAME
+    owner = rs["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("Node", node.name, True)
+    assert {d["name"]: d["attributes"] for d in rs["spec"]["devices"]} == {
+        "channel-0": {"type": {"string": "channel"}, "id": {"int": 0}},
+        "daemon-0": {"type": {"string": "daemon"}, "id": {"int": 0}},
+    }
+    # Kept current: deleted by hand, it comes back.
+    harness.kubectl("delete", "resourceslice", f"{node.name}-{DRIVER_NAME}")
+    back = await eventually(lambda: harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}"), what="re-created slice")
+    assert back["metadata"]["uid"] != rs["metadata"]["uid"]
+    # ... and survives a restart unchanged.
+    node.plugin.kill()
+    await harness.restart_plugin(node)
+    await asyncio.sleep(1.0)
+    again = harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}")
+    assert again is not None and again["metadata"]["uid"] == back["metadata"]["uid"]
+
+
+@pytest.mark.parametrize("mode", ["Single", "All"])
+async def test_workload_pod_gets_the_channel_and_deletion_undoes_it(harness: Harness, mode: str) -> None:
+    node = await harness.add_node()
+    cd = harness.create_cd("job", mode=mode)
+    uid = cd["metadata"]["uid"]
+    template = harness.channel_template(cd)
+    harness.set_clique(cd, node, "Ready")
+    harness.pod("worker", node, template)
+    await eventually(lambda: harness.phase("worker") == "Running", within=60, what="pod Running")
+    claim = harness.claim_of("worker")
+    assert claim is not None
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert (result["driver"], result["pool"], result["device"]) == (DRIVER_NAME, node.name, "channel-0")
+    claim_uid = claim["metadata"]["uid"]
+    spec = node.cdi_spec(claim_uid)
+    assert spec is not None and spec["kind"] == "k8s.compute-domain.nvidia.com/claim"
+    (device,) = spec["devices"]
+    assert device["name"] == f"{claim_uid}-channel-0"
+    nodes = device["containerEdits"]["deviceNodes"]
+    assert nodes[0] == {
+        "path": "/dev/nvidia-caps-imex-channels/channel0",
+        "type": "c",
+        "major": 242,
+        "minor": 0,
+        "fileMode": 0o666,
+    }
+    assert len(nodes) == (2048 if mode == "All" else 1)
+    assert harness.node_labels(node)[COMPUTE_DOMAIN_LABEL] == uid
+    pod = harness.get("pod", "worker", harness.ns)
+    assert pod is not None and pod["metadata"]["annotations"][PREPARED_ANNOTATION] == "true"
+
+    harness.kubectl("delete", "pod", "worker", "-n", harness.ns, "--wait=false")
+    await eventually(lambda: harness.get("pod", "worker", harness.ns) is None, within=60, what="pod gone")
+    assert node.cdi_spec(claim_uid) is None
+    assert COMPUTE_DOMAIN_LABEL not in harness.node_labels(node)
+    await eventually(
+        lambda: harness.get("resourceclaim", claim["metadata"]["name"], harness.ns) is None, what="claim gone"
+    )
+
+
+async def test_prepare_waits_for_this_nodes_daemon_then_succeeds(harness: Harness) -> None:
+    node = await harness.add_node()
+    cd = harness.create_cd("wait")
+    template = harness.channel_template(cd)
+    harness.set_clique(cd, node, "NotReady")
+    harness.pod("worker", node, template)
+    # The label comes first (it is what places the daemon), the pod waits.
+    await eventually(lambda: harness.node_labels(node).get(COMPUTE_DOMAIN_LABEL) == cd["metadata"]["uid"], what="label")
+    await asyncio.sleep(2.0)
+    assert harness.phase("worker") == "Pending"
+    ready_at = time.monotonic()
+    harness.set_clique(cd, node, "Ready")
+    await eventually(lambda: harness.phase("worker") == "Running", within=30, what="pod Running")
+    took = time.monotonic() - ready_at
+    assert took < 10, f"Prepare took {took:.1f}s after the daemon became Ready"
+    assert harness.get("pod", "worker", harness.ns)["metadata"]["annotations"][PREPARED_ANNOTATION] == "true"  # type: ignore[index]
+
+
+async def test_another_domains_label_is_retryable(harness: Harness) -> None:
+    node = await harness.add_node()
+    cd = harness.create_cd("second")
+    template = harness.channel_template(cd)
+    harness.set_clique(cd, node, "Ready")
+    # A real domain's UID: a controller's orphan sweep may remove labels of domains that do not exist.
+    other = harness.create_cd("first")["metadata"]["uid"]
+    harness.kubectl("label", "node", node.name, f"{COMPUTE_DOMAIN_LABEL}={other}")
+    harness.pod("worker", node, template)
+    await eventually(lambda: "carries" in node.plugin.log() and other in node.plugin.log(), what="conflict retries")
+    assert harness.phase("worker") == "Pending"
+    assert harness.node_labels(node)[COMPUTE_DOMAIN_LABEL] == other, "another domain's label is never overwritten"
+    harness.kubectl("label", "node", node.name, f"{COMPUTE_DOMAIN_LABEL}-")
+    await eventually(lambda: harness.phase("worker") == "Running", within=45, what="pod Running after the label went")
+    assert harness.node_labels(node)[COMPUTE_DOMAIN_LABEL] == cd["metadata"]["uid"]
+
+
+async def test_unknown_opaque_field_is_a_permanent_error_in_the_pods_events(harness: Harness) -> None:
+    node = await harness.add_node()
+    cd = harness.create_cd("typo")
+    params = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomainChannelConfig",
+        "domainID": cd["metadata"]["uid"],
+        "allocationMde": "All",
+    }
+    harness.manual_claim_pod("worker", node, params)
+
+    def event() -> str | None:
+        for ev in harness.pod_events("worker"):
+            if ev["reason"] == "FailedPrepareDynamicResources":
+                return str(ev["message"])
+        return None
+
+    message = await eventually(event, within=30, what="FailedPrepareDynamicResources event")
+    assert "permanent error" in message and "unknown field 'allocationMde'" in message
+    assert harness.phase("worker") == "Pending"
+    assert node.cdi_files() == [] and COMPUTE_DOMAIN_LABEL not in harness.node_labels(node)
+
+
+async def test_bad_domain_id_touches_nothing(harness: Harness) -> None:
+    node = await harness.add_node()
+    harness.create_cd("badid")
+    params = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomainChannelConfig",
+        "domainID": "../../etc",
+    }
+    harness.manual_claim_pod("worker", node, params)
+
+    def event() -> str | None:
+        return next(
+            (str(e["message"]) for e in harness.pod_events("worker") if e["reason"] == "FailedPrepareDynamicResources"),
+            None,
+        )
+
+    message = await eventually(event, within=30, what="FailedPrepareDynamicResources event")
+    assert "permanent error" in message and "domainID" in message
+    assert node.cdi_files() == [] and COMPUTE_DOMAIN_LABEL not in harness.node_labels(node)
+    assert node.store().read().claims == {}, "nothing recorded: validation runs before any side effect"
+    assert not (node.plugin_dir / "domains").exists()
