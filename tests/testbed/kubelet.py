@@ -33,7 +33,7 @@ import contextlib
 import json
 import logging
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -74,7 +74,7 @@ class CachedClaim:
 @dataclass
 class _Plugin:
     socket: Path
-    inode: int
+    identity: tuple[int, int]  # (inode, ctime): a re-created socket may reuse the inode number
     client: KubeletClient
 
 
@@ -125,6 +125,8 @@ class KubeletStandIn:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self.registrations = 0
         self.calls: list[tuple[str, str]] = []  # (operation, claim uid), for tests
+        # Test hook, called synchronously right before an RPC goes out: (operation, claims).
+        self.on_call: Callable[[str, list[ClaimRef]], None] | None = None
 
     # -- lifecycle
 
@@ -152,19 +154,20 @@ class KubeletStandIn:
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def _scan_plugins(self) -> None:
-        seen: dict[Path, int] = {}
+        seen: dict[Path, tuple[int, int]] = {}
         if self.registrar_dir.is_dir():
             for path in self.registrar_dir.glob("*-reg.sock"):
                 with contextlib.suppress(FileNotFoundError):
-                    seen[path] = path.stat().st_ino
+                    st = path.stat()
+                    seen[path] = (st.st_ino, st.st_ctime_ns)
         for name, plugin in list(self.plugins.items()):
-            if seen.get(plugin.socket) != plugin.inode:
+            if seen.get(plugin.socket) != plugin.identity:
                 log.info("plugin socket gone or replaced; deregistering driver=%s", name)
                 del self.plugins[name]
                 await plugin.client.close()
-        known = {p.socket: p.inode for p in self.plugins.values()}
-        for path, inode in seen.items():
-            if known.get(path) == inode:
+        known = {p.socket: p.identity for p in self.plugins.values()}
+        for path, identity in seen.items():
+            if known.get(path) == identity:
                 continue
             client = KubeletClient(path, driver_name=path.name.removesuffix("-reg.sock"), timeout_s=self.dra_timeout_s)
             try:
@@ -174,7 +177,7 @@ class KubeletStandIn:
                 await client.close()
                 continue
             assert client.info is not None
-            self.plugins[client.info.name] = _Plugin(path, inode, client)
+            self.plugins[client.info.name] = _Plugin(path, identity, client)
             self.registrations += 1
             log.info("registered driver=%s endpoint=%s", client.info.name, client.info.endpoint)
             self._enqueue_all()
@@ -326,6 +329,8 @@ class KubeletStandIn:
             refs = [c.ref for c in group]
             for ref in refs:
                 self.calls.append((operation, ref.uid))
+            if self.on_call is not None:
+                self.on_call(operation, refs)
             try:
                 if operation == "prepare":
                     results: dict[ClaimUid, Any] = await plugin.client.prepare(refs)

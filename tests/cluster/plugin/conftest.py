@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -473,7 +474,18 @@ class Harness:
 
     async def wait_registered(self, node: SimNode, *, after: int = 0) -> None:
         if node.standin is None:
-            await eventually(lambda: (node.registrar_dir / f"{DRIVER_NAME}-reg.sock").exists(), what="plugin socket")
+            sock = node.registrar_dir / f"{DRIVER_NAME}-reg.sock"
+
+            def listening() -> bool:
+                # A SIGKILLed agent leaves its socket file behind, which refuses connections: wait for a listener.
+                with socket.socket(socket.AF_UNIX) as probe:
+                    try:
+                        probe.connect(str(sock))
+                    except OSError:
+                        return False
+                return True
+
+            await eventually(listening, what="plugin socket")
             return
         standin = node.standin
         await eventually(
