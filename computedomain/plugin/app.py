@@ -245,8 +245,11 @@ class NodeAgent:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.events.aclose(), 2.0)
         for task in done:
-            if task is not stopped and not task.cancelled() and task.exception() is not None:
+            if task is stopped or task.cancelled():
+                continue
+            if task.exception() is not None:
                 raise RuntimeError(f"background task {task.get_name()} failed") from task.exception()
+            raise RuntimeError(f"background task {task.get_name()} ended unexpectedly")
 
 
 async def _logged(name: str, make: Callable[[], Any]) -> None:

@@ -168,6 +168,8 @@ class DaemonReadinessWatch:
     async def run(self) -> None:
         if self.cliques is not None:
             await self.cliques.run()
+        else:
+            await asyncio.Event().wait()  # nothing to watch beyond the CD cache; live as long as the agent
 
     def informers(self) -> Iterable[Informer[ComputeDomainClique]]:
         return [self.cliques] if self.cliques is not None else []

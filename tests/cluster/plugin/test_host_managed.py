@@ -1,0 +1,89 @@
+"""hostManaged mode: the node agent checks the host's nvidia-imex (the simulator, on a unix socket inside a
+fake driver root) with `chroot <root> nvidia-imex-ctl -q -u <socket>` before it hands out channel 0."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
+from imex.simulator.wrappers import install_wrappers
+from tests.cluster.plugin.conftest import Harness, eventually
+from tests.unit.imex.conftest import chroot_driver_root  # noqa: F401 (fixture)
+from tests.unit.imex.test_host_check import start_host_daemon
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+SOCKET = "/run/nvidia-imex/imex_ctrl.sock"
+HOST_MANAGED = {
+    "IMEX_MODE": "hostManaged",
+    "FEATURE_GATES": "HostManagedIMEXDaemon=true",
+    "IMEX_HOST_SOCKET_PATH": SOCKET,
+}
+
+
+@pytest.fixture
+def host_root(chroot_driver_root: Path) -> Iterator[Path]:  # noqa: F811
+    install_wrappers(chroot_driver_root / "opt" / "bin")
+    yield chroot_driver_root
+
+
+def events(harness: Harness, pod: str, reason: str) -> list[str]:
+    return [str(e["message"]) for e in harness.pod_events(pod) if e["reason"] == reason]
+
+
+async def test_channel_waits_for_the_host_daemon_and_daemon_claims_are_refused(
+    harness: Harness, host_root: Path, tmp_path: Path
+) -> None:
+    # A peer that never comes keeps the host daemon WAITING_FOR_PEERS.
+    daemon = start_host_daemon(host_root, tmp_path, peers=["127.77.0.2"])
+    try:
+        node = await harness.add_node(driver_root=host_root, env=HOST_MANAGED)
+        rs = harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}")
+        assert rs is not None and [d["name"] for d in rs["spec"]["devices"]] == ["channel-0"]
+        cd = harness.create_cd("host", mode="All")  # hostManaged hands out channel 0 whatever the mode
+        template = harness.channel_template(cd)
+        harness.pod("worker", node, template)
+        await eventually(
+            lambda: "host nvidia-imex daemon not ready: state WAITING_FOR_PEERS" in node.plugin.log(),
+            within=60,
+            what="retries that say the daemon's state",
+        )
+        assert harness.phase("worker") == "Pending" and node.cdi_files() == []
+    finally:
+        daemon.kill()
+        daemon.wait(30)
+    daemon = start_host_daemon(host_root, tmp_path, peers=[])  # alone in its domain: READY
+    try:
+        await eventually(lambda: harness.phase("worker") == "Running", within=60, what="pod Running once READY")
+        claim = harness.claim_of("worker")
+        assert claim is not None
+        spec = node.cdi_spec(claim["metadata"]["uid"])
+        assert spec is not None
+        assert [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]] == [
+            "/dev/nvidia-caps-imex-channels/channel0"
+        ]
+        assert COMPUTE_DOMAIN_LABEL not in harness.node_labels(node), "no node label in hostManaged mode"
+
+        # A daemon claim (only a stale or hand-made one can exist: no daemon device is published).
+        params = {
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "ComputeDomainDaemonConfig",
+            "domainID": cd["metadata"]["uid"],
+        }
+        harness.manual_claim_pod("daemon", node, params, device="daemon-0")
+        failed = await eventually(lambda: events(harness, "daemon", "FailedPrepareDynamicResources"), what="event")
+        assert "permanent error" in failed[0] and "IMEX_MODE=hostManaged" in failed[0]
+
+        harness.kubectl("delete", "pod", "worker", "-n", harness.ns, "--wait=false")
+        await eventually(lambda: harness.get("pod", "worker", harness.ns) is None, within=60, what="pod gone")
+        assert node.cdi_spec(claim["metadata"]["uid"]) is None
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
