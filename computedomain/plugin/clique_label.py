@@ -27,6 +27,7 @@ from imex.discovery import HardwareDiscovery, HardwareError
 log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_S: Final = 600.0
+RETRY_S: Final = 5.0
 
 
 def desired_label(clique_id: str) -> str | None:
@@ -112,9 +113,11 @@ class CliqueLabeler:
         """Refresh the clique forever; label the node on every round when enabled. Never raises for API errors."""
         while True:
             await self.hardware.refresh()
+            delay = self.refresh_s
             if enabled:
                 try:
                     await self.sync()
                 except Exception as exc:
-                    log.warning("clique label sync failed; retrying at the next refresh error=%r", exc)
-            await asyncio.sleep(self.refresh_s)
+                    delay = min(self.refresh_s, RETRY_S)
+                    log.warning("clique label sync failed; retrying in %.0fs error=%r", delay, exc)
+            await asyncio.sleep(delay)

@@ -414,6 +414,19 @@ class Harness:
             self.driver_ns,
         )
 
+    def node_events(self, node: SimNode) -> list[dict[str, Any]]:
+        out = self.kubectl(
+            "get",
+            "events",
+            "-A",
+            "--field-selector",
+            f"involvedObject.kind=Node,involvedObject.name={node.name}",
+            "-o",
+            "json",
+        )
+        items: list[dict[str, Any]] = json.loads(out)["items"]
+        return items
+
     def pod_events(self, pod: str, namespace: str | None = None) -> list[dict[str, Any]]:
         out = self.kubectl(
             "get", "events", "-n", namespace or self.ns, "--field-selector", f"involvedObject.name={pod}", "-o", "json"
@@ -431,6 +444,7 @@ class Harness:
         driver_root: Path | None = None,
         standin: bool = True,
         backoff_s: float = 1.0,
+        wait_slice: bool = True,
     ) -> SimNode:
         name = f"gb-{uuid.uuid4().hex[:8]}"
         clique_id = f"{CLUSTER_UUID}.1" if clique else ""
@@ -438,8 +452,7 @@ class Harness:
         node_obj["metadata"]["annotations"][KWOK_NODE_ANNOTATION] = STANDIN_ANNOTATION_VALUE
         self.cluster.apply(node_obj)
         root = Path(tempfile.mkdtemp(prefix="cdp-", dir="/tmp"))
-        fake_root = driver_root or root / "driver"
-        write_fake_driver_root(fake_root)
+        fake_root = driver_root or write_fake_driver_root(root / "driver")  # a given root brings its own /proc
         topology = root / "topology.yaml"
         entry: dict[str, Any] = {"name": name}
         if clique:
@@ -469,7 +482,10 @@ class Harness:
             node.standin = KubeletStandIn(self.client, name, root / "reg", backoff_s=backoff_s)
             node.standin_task = asyncio.create_task(node.standin.run(), name=f"standin-{name}")
         await self.wait_registered(node)
-        await eventually(lambda: self.get("resourceslice", f"{name}-{DRIVER_NAME}"), what="the node's ResourceSlice")
+        if wait_slice:
+            await eventually(
+                lambda: self.get("resourceslice", f"{name}-{DRIVER_NAME}"), what="the node's ResourceSlice"
+            )
         return node
 
     async def wait_registered(self, node: SimNode, *, after: int = 0) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
+from imex.simulated import write_fake_driver_root
 from imex.simulator.wrappers import install_wrappers
 from tests.cluster.plugin.conftest import Harness, eventually
 from tests.unit.imex.conftest import chroot_driver_root  # noqa: F401 (fixture)
@@ -28,6 +29,7 @@ HOST_MANAGED = {
 @pytest.fixture
 def host_root(chroot_driver_root: Path) -> Iterator[Path]:  # noqa: F811
     install_wrappers(chroot_driver_root / "opt" / "bin")
+    write_fake_driver_root(chroot_driver_root)
     yield chroot_driver_root
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
-from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME, GPU_CLIQUE_NODE_LABEL
+from imex.simulated import write_fake_driver_root
 from tests.cluster.plugin.conftest import Harness, eventually
 from tests.testbed.kubelet import PREPARED_ANNOTATION
 
@@ -158,3 +160,34 @@ async def test_bad_domain_id_touches_nothing(harness: Harness) -> None:
     assert node.cdi_files() == [] and COMPUTE_DOMAIN_LABEL not in harness.node_labels(node)
     assert node.store().read().claims == {}, "nothing recorded: validation runs before any side effect"
     assert not (node.plugin_dir / "domains").exists()
+
+
+async def test_gpu_clique_label_follows_the_hardware(harness: Harness) -> None:
+    enabled = {"GPU_CLIQUE_LABEL_ENABLED": "true"}
+    fabric = await harness.add_node(env=enabled, standin=False)
+    await eventually(
+        lambda: harness.node_labels(fabric).get(GPU_CLIQUE_NODE_LABEL) == fabric.clique, what="clique label set"
+    )
+    harness.kubectl("label", "node", fabric.name, f"{GPU_CLIQUE_NODE_LABEL}-")
+    fabric.plugin.kill()
+    await harness.restart_plugin(fabric)
+    await eventually(lambda: GPU_CLIQUE_NODE_LABEL in harness.node_labels(fabric), what="clique label restored")
+    # A node without a clique loses a label it should not have.
+    plain = await harness.add_node(clique=False, env=enabled, standin=False)
+    harness.kubectl("label", "node", plain.name, f"{GPU_CLIQUE_NODE_LABEL}=stale.1", "--overwrite")
+    plain.plugin.kill()
+    await harness.restart_plugin(plain)
+    await eventually(lambda: GPU_CLIQUE_NODE_LABEL not in harness.node_labels(plain), what="stale clique label removed")
+
+
+async def test_node_without_imex_publishes_nothing_and_says_why(harness: Harness, tmp_path: Path) -> None:
+    root = write_fake_driver_root(tmp_path / "no-imex", channels_major=None)
+    node = await harness.add_node(driver_root=root, standin=False, wait_slice=False)
+    await eventually(
+        lambda: [e for e in harness.node_events(node) if e["reason"] == "NoIMEXSupport"], what="NoIMEXSupport Event"
+    )
+    message = harness.node_events(node)[0]["message"]
+    assert "nvidia-caps-imex-channels" in message
+    assert harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}") is None
+    assert node.plugin.proc is not None and node.plugin.proc.poll() is None, "it keeps running, it does not crash-loop"
+    assert "NO IMEX SUPPORT" in node.plugin.log()
