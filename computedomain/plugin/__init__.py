@@ -1,7 +1,11 @@
-"""The node agent: the DRA kubelet plugin of driver `compute-domain.nvidia.com`.
+"""The node agent: the DRA kubelet plugin of driver `compute-domain.nvidia.com` (design: docs/design/0007).
 
 Kubernetes-independent building blocks: `grpc_server` (kubelet-facing sockets, the only grpc user),
 `preparer` (the version-free request/result contract), `checkpoint` (crash-safe node-local state),
 `cdi` (per-claim CDI specs), `opaque` (which config applies to which allocated device), `atomic` (durable
-file replacement). Generated protobuf modules live in `proto/`.
+file replacement), `prepare` (the Prepare/Unprepare algorithm over injected collaborators). Generated
+protobuf modules live in `proto/`.
+
+The agent around them: `claims`, `domains` (CD cache, watch-driven daemon readiness), `node_labels`,
+`resourceslice`, `clique_label`, `cleanup`, and `app` (the process, `python -m computedomain kubelet-plugin`).
 """
