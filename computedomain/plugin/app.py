@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from computedomain.api.constants import DRIVER_NAME
-from computedomain.kube.client import ClientConfig, KubeClient
+from computedomain.kube.client import NODES, ClientConfig, KubeClient, Raw
 from computedomain.kube.events import EventRecorder
+from computedomain.kube.informer import Informer
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointStore
 from computedomain.plugin.claims import KubeClaimReader
@@ -137,7 +138,10 @@ class NodeAgent:
             use_cliques=settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES),
             dns_names=settings.gate(FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES),
         )
-        self.labels = NodeLabels(client, settings.node_name)
+        self.node_informer: Informer[Raw] = Informer(
+            client, NODES, decode=lambda raw: raw, field_selector=f"metadata.name={settings.node_name}", name="node"
+        )
+        self.labels = NodeLabels(client, settings.node_name, self.node_informer)
         self.claims = KubeClaimReader(client)
         if host_check is None and settings.host_managed:
             host_check = self._host_check
@@ -224,6 +228,7 @@ class NodeAgent:
             background.append(asyncio.create_task(_logged(name, make), name=name))
 
         spawn("cd-informer", self.domains.run)
+        spawn("node-informer", self.node_informer.run)
         spawn("clique-informer", self.readiness.run)
         await self.server.start()
         try:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Final
 
-from computedomain.kube.client import NODES, KubeClient
+from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.errors import Conflict
+from computedomain.kube.informer import Informer
 from computedomain.plugin.prepare import LabelConflictError
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,21 @@ _MAX_CONFLICTS: Final = 5
 
 
 class NodeLabels:
-    """`prepare.NodeLabeler` for one node."""
+    """`prepare.NodeLabeler` for one node. With `informer` (a watch of this Node), a label that is already in
+    place costs no request; every write and every removal decision still reads the Node live."""
 
-    def __init__(self, client: KubeClient, node_name: str) -> None:
+    def __init__(self, client: KubeClient, node_name: str, informer: Informer[Raw] | None = None) -> None:
         self._client = client
         self.node_name = node_name
+        self.informer = informer
+
+    def _cached(self, key: str) -> str | None:
+        if self.informer is None or not self.informer.synced:
+            return None
+        node = self.informer.get(self.node_name)
+        labels = ((node or {}).get("metadata") or {}).get("labels") or {}
+        value = labels.get(key)
+        return str(value) if value is not None else None
 
     async def _read(self) -> tuple[dict[str, str], str]:
         node: dict[str, Any] = await self._client.get(NODES, self.node_name)
@@ -40,6 +51,8 @@ class NodeLabels:
         await self._client.merge_patch(NODES, self.node_name, {"metadata": meta})
 
     async def ensure_label(self, key: str, value: str) -> None:
+        if self._cached(key) == value:
+            return  # the daemon of this domain runs here already: the common case of a Prepare
         for _ in range(_MAX_CONFLICTS):
             labels, rv = await self._read()
             current = labels.get(key)

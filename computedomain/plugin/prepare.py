@@ -453,7 +453,8 @@ class Preparer:
     async def _prepare_attempt(self, ref: ClaimRef, deadline: float) -> PrepareResult:
         plan = await self._plan(ref)
         async with self._claim_lock(ref.uid):
-            done = await self._update(lambda cp: (cp, check_prepare(cp, ref.uid, plan.fingerprint)))
+            # A read without the lock sees a whole file; begin_prepare re-checks under the lock.
+            done = check_prepare(await self.store.read_async(), ref.uid, plan.fingerprint)
             if done is not None:
                 log.debug("claim already prepared; returning its devices claim=%s", ref)
                 return PrepareResult(devices=tuple(_to_prepared(d) for d in done.devices))

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from computedomain.api.constants import CHANNEL_DEVICE_CLASS, DRIVER_NAME
+from computedomain.api.constants import CHANNEL_DEVICE_CLASS, COMPUTE_DOMAIN_LABEL, DRIVER_NAME
 from computedomain.plugin.checkpoint import expire_tombstones
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
@@ -224,7 +224,7 @@ def _native_ctl(path: Path) -> None:
 
 
 async def bench_cluster(rounds: int) -> dict[str, object] | None:
-    from computedomain.kube.client import KubeClient
+    from computedomain.kube.client import NODES, KubeClient
     from tests.testbed.cluster import LocalCluster
     from tests.testbed.nodes import gb200_node
 
@@ -291,6 +291,9 @@ async def bench_cluster(rounds: int) -> dict[str, object] | None:
                     errors += 1
                     print("  error:", result)
                 await kubelet.unprepare([ref])
+                # A ready domain's daemon runs on the node, so its label is there when the next Prepare comes.
+                await client.merge_patch(NODES, node, {"metadata": {"labels": {COMPUTE_DOMAIN_LABEL: uid}}})
+                await asyncio.sleep(0.01)
         return report("channel Prepare, ready domain (agent process + API)", ms[5:], errors)
     finally:
         if proc is not None:

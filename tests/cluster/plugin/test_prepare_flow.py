@@ -183,10 +183,10 @@ async def test_gpu_clique_label_follows_the_hardware(harness: Harness) -> None:
 async def test_node_without_imex_publishes_nothing_and_says_why(harness: Harness, tmp_path: Path) -> None:
     root = write_fake_driver_root(tmp_path / "no-imex", channels_major=None)
     node = await harness.add_node(driver_root=root, standin=False, wait_slice=False)
-    await eventually(
+    (event, *_) = await eventually(
         lambda: [e for e in harness.node_events(node) if e["reason"] == "NoIMEXSupport"], what="NoIMEXSupport Event"
     )
-    message = harness.node_events(node)[0]["message"]
+    message = event["message"]
     assert "nvidia-caps-imex-channels" in message
     assert harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}") is None
     assert node.plugin.proc is not None and node.plugin.proc.poll() is None, "it keeps running, it does not crash-loop"
