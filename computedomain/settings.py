@@ -292,6 +292,11 @@ class PluginSettings(CommonSettings):
     gpu_clique_label_enabled: bool = setting(
         "GPU_CLIQUE_LABEL_ENABLED", "maintain the nvidia.com/gpu.clique node label", default=False
     )
+    simulated_topology: str = setting(
+        "SIMULATED_TOPOLOGY",
+        "test bed only: read the NVLink fabric from this topology file instead of NVML (no GB200 here)",
+        default="",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -57,7 +56,6 @@ from imex.procfs import ProcFS
 log = logging.getLogger(__name__)
 
 COMPONENT: Final = "compute-domain-kubelet-plugin"
-SIMULATED_TOPOLOGY_ENV: Final = "SIMULATED_TOPOLOGY"
 STOP_GRACE_S: Final = 5.0
 
 
@@ -89,12 +87,11 @@ def configure_logging(settings: PluginSettings) -> None:
     root.setLevel(settings.log_level.upper())
 
 
-def make_discovery(settings: PluginSettings, environ: dict[str, str] | None = None) -> HardwareDiscovery:
+def make_discovery(settings: PluginSettings) -> HardwareDiscovery:
     """NVML + /proc, or the simulated topology (test bed, demo)."""
-    env = dict(os.environ if environ is None else environ)
     proc_root = Path(settings.proc_root)
     proc = ProcFS(proc_root.parent, devices_path=proc_root / "devices")
-    topology = env.get(SIMULATED_TOPOLOGY_ENV)
+    topology = settings.simulated_topology
     if topology:
         from imex.simulated import SimulatedFabricSource
 

@@ -96,7 +96,7 @@ async def _node_agent(settings: Any, env: dict[str, str], stop: asyncio.Event) -
         config=ClientConfig(qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager=COMPONENT),
     )
     try:
-        agent = NodeAgent(settings, client, make_discovery(settings, env))
+        agent = NodeAgent(settings, client, make_discovery(settings))
         try:
             await asyncio.to_thread(agent.prepare_startup)
         except StartupError as exc:
