@@ -71,6 +71,19 @@ log = logging.getLogger("sim.pods")
 FINALIZER: Final = "sim.testbed.computedomain/container-runtime"
 CDI_ANNOTATION: Final = "testbed.computedomain/cdi-devices"
 MAX_BACKOFF_S: Final = 300.0
+# `-c <cfg> -q` in bash: one line to the command service (imex.simulator.wire), print the "state" it answers
+# (the first key of the status document), UNAVAILABLE + exit 1 when unreachable. Anything else: the real ctl.
+FAST_CTL: Final = r"""#!/bin/bash
+[ "$#" -eq 3 ] && [ "$1" = "-c" ] && [ "$3" = "-q" ] || exec @CTL@ "$@"
+ip=; port=50005
+while IFS='=' read -r key value; do
+  case "$key" in IMEX_CMD_BIND_INTERFACE_IP) ip=$value;; IMEX_CMD_PORT) port=$value;; esac
+done < "$2"
+if ! exec 3<>"/dev/tcp/$ip/$port"; then echo UNAVAILABLE; exit 1; fi 2>/dev/null
+printf '{"cmd":"status"}\n' >&3
+IFS= read -r -t 5 line <&3 || { echo UNAVAILABLE; exit 1; }
+case "$line" in '{"state":"'*) state=${line#'{"state":"'}; echo "${state%%\"*}";; *) echo UNAVAILABLE; exit 1;; esac
+"""
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,9 @@ class Hosting:
     plugins_per_host: int = 1
     daemons_per_host: int = 1
     controller_scope: str | None = None  # namespace of the ComputeDomains the controller handles
+    # Daemon probes (`nvidia-imex-ctl -c <cfg> -q`) through a bash client of the simulator's command service
+    # instead of the simulator's Python ctl (~0.1 s of CPU per exec; 72 daemons probe every second at start).
+    fast_imex_ctl: bool = False
 
 
 def free_port() -> int:
@@ -218,6 +234,11 @@ class PodWorker:
             )
             path.chmod(0o755)
             out[setting] = str(path)
+        if self.runner.hosting.fast_imex_ctl:
+            fast = bin_dir / "nvidia-imex-ctl-fast"
+            fast.write_text(FAST_CTL.replace("@CTL@", shlex.quote(out["IMEX_CTL_BINARY"])))
+            fast.chmod(0o755)
+            out["IMEX_CTL_BINARY"] = str(fast)
         return out
 
     @property
