@@ -145,7 +145,7 @@ async def demo() -> None:
     step(f"done in {time.monotonic() - T0:.0f}s. The cluster keeps running (`make cluster-down` stops it).")
     say(
         "   Next: `make test` runs the unit and cluster tests; tests/cluster/system/ has the scenarios on\n"
-        "   19+ simulated nodes; docs/design/0007-simulated-cluster.md explains the simulation."
+        "   19+ simulated nodes; docs/design/0008-simulated-cluster.md explains the simulation."
     )
 
 

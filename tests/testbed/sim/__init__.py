@@ -17,5 +17,5 @@ create. What is simulated, and where:
   driver root, reachable by a chrooted `nvidia-imex-ctl`);
 - `cluster.SimCluster`: puts it together (own kwok, kubelet stand-ins, pod runner, `helm install`).
 
-docs/design/0007-simulated-cluster.md explains the choices.
+docs/design/0008-simulated-cluster.md explains the choices.
 """
