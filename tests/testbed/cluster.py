@@ -161,11 +161,21 @@ class LocalCluster:
         except (OSError, ssl.SSLError) as exc:
             return 0, str(exc)
 
-    def healthy(self) -> bool:
+    def healthy(self, patience: float = 30.0) -> bool:
+        """A started cluster whose processes all live and whose apiserver answers /readyz.
+
+        A loaded machine can make /readyz slow; tearing down a cluster other test runs share because of
+        one slow answer would be worse than waiting, so a live cluster gets `patience` seconds."""
         state = self.state()
         if state is None or not state.get("ready") or not all(_alive(pid) for pid in state["pids"].values()):
             return False
-        return self._get(f"{self.server}/readyz")[0] == 200
+        deadline = time.monotonic() + patience
+        while True:
+            if self._get(f"{self.server}/readyz", timeout=5.0)[0] == 200:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1.0)
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -418,7 +428,7 @@ def main(argv: list[str]) -> int:
         cluster.down()
         return 0
     if command == "status":
-        healthy = cluster.healthy()
+        healthy = cluster.healthy(patience=5.0)
         print("running" if healthy else "not running")
         if healthy:
             for name, mib in cluster.memory_mib().items():
