@@ -4,12 +4,15 @@ Commands:
   check-settings {controller,kubelet-plugin}   validate the env/flags as that process would, print them
   controller [flags]                           run the ComputeDomain controller (flags mirror the env vars)
   kubelet-plugin [flags]                       run the node agent (DRA kubelet plugin; flags mirror the env vars)
+  status NAME [-n NAMESPACE]                   show a ComputeDomain: status, conditions, daemons per clique
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -34,6 +37,31 @@ def _usage() -> str:
     for name, cls in _PROCESSES.items():
         parts.append(f"Settings of {name} (flag, env, meaning):\n{help_text(cls)}\n")
     return "\n".join(parts)
+
+
+def _status(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="computedomain status", description="Show one ComputeDomain.")
+    parser.add_argument("name")
+    parser.add_argument("-n", "--namespace", default="default")
+    parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""))
+    args = parser.parse_args(argv)
+
+    async def show() -> int:
+        from computedomain.kube.client import KubeClient
+        from computedomain.kube.errors import NotFound
+        from computedomain.status_view import gather
+
+        client = await KubeClient.connect(kubeconfig=args.kubeconfig or None)
+        try:
+            print(await gather(client, args.name, args.namespace))
+        except NotFound:
+            print(f"error: ComputeDomain {args.namespace}/{args.name} not found", file=sys.stderr)
+            return 1
+        finally:
+            await client.close()
+        return 0
+
+    return asyncio.run(show())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             configure_plugin_logging(plugin_settings)
             return asyncio.run(run_plugin(plugin_settings))
+        if command == "status":
+            return _status(rest)
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -23,10 +23,10 @@ import time
 from typing import Any
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
+from computedomain.status_view import gather
 from tests.testbed.cluster import LocalCluster
 from tests.testbed.sim.cluster import SimCluster, SimConfig
 from tests.testbed.sim.pods import CDI_ANNOTATION, Hosting
-from tests.testbed.sim.status import gather
 
 CD_NAME = "imex-demo"
 JOB = "nccl-allreduce"

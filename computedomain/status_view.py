@@ -1,7 +1,8 @@
-"""`computedomain status NAME`: one ComputeDomain as an operator wants to see it (status, conditions, daemons).
+"""`computedomain status NAME [-n NAMESPACE]`: one ComputeDomain as an operator wants to see it: status,
+conditions, and the daemons of each clique with their DNS indices and IPs.
 
-Not wired into `python -m computedomain` yet (that command line belongs to computedomain/__main__.py); the demo
-and the tests use it from here. `render` is pure; `gather` reads the objects through the kube layer:
+`render` is pure; `gather` reads the objects through the kube layer (the CD, its cliques and its daemon
+pods, found by the CD label):
 
     ComputeDomain workloads/imex-demo (uid 3f2c...)   Ready   numNodes 2   channel template imex-demo-channel
     Conditions:
@@ -81,8 +82,11 @@ def render(
             lines.append(
                 f"  {'-':>5}  {pod['spec'].get('nodeName', ''):<22} {pod['status'].get('podIP', ''):<15} {_pod_ready(pod)}"
             )
-    for node in status.get("nodes") or ():
-        if not cliques:
+    legacy_nodes = [] if cliques else list(status.get("nodes") or ())
+    if legacy_nodes:
+        # ComputeDomainCliques=false: the daemons report in the CD's status instead.
+        lines.append("Daemons (status.nodes):")
+        for node in legacy_nodes:
             lines.append(
                 f"  {node.get('index', '?'):>5}  {node.get('name', ''):<22} {node.get('ipAddress', ''):<15} {node.get('status', '')}"
             )
@@ -91,9 +95,7 @@ def render(
 
 async def gather(client: KubeClient, name: str, namespace: str) -> str:
     cd = await client.get(COMPUTE_DOMAINS, name, namespace=namespace)
-    uid = cd["metadata"]["uid"]
-    cliques = [
-        c for c in (await client.list(COMPUTE_DOMAIN_CLIQUES)).items if str(c["metadata"]["name"]).startswith(f"{uid}.")
-    ]
-    pods = (await client.list(PODS, label_selector=f"{COMPUTE_DOMAIN_LABEL}={uid}")).items
+    selector = f"{COMPUTE_DOMAIN_LABEL}={cd['metadata']['uid']}"
+    cliques = (await client.list(COMPUTE_DOMAIN_CLIQUES, label_selector=selector)).items
+    pods = (await client.list(PODS, label_selector=selector)).items
     return render(cd, cliques, pods)
