@@ -45,7 +45,7 @@ from computedomain.settings import ControllerSettings, describe
 
 log = logging.getLogger("computedomain.controller")
 
-WORKERS = 8
+WORKERS = 32
 SWEEP_PERIOD = 600.0
 QUEUE_NAME = "computedomain"
 

@@ -127,6 +127,9 @@ class Caches:
                 ]
         # Children created by this process and not yet seen by a cache: key -> (child, monotonic time).
         self._created: dict[tuple[ChildKind, str, str], tuple[Child, float]] = {}
+        # ComputeDomains as this process last wrote them, until the cache shows that version: by UID.
+        self._written: dict[str, ComputeDomain] = {}
+        self.cds.add_handler(on_update=lambda _old, new: self._cd_seen(new), on_delete=self._cd_gone)
         for informer in (*self.daemonsets, self.templates):
             informer.add_handler(on_add=self._seen, on_update=lambda _old, new: self._seen(new), on_delete=self._seen)
 
@@ -147,6 +150,18 @@ class Caches:
     def note_created(self, child: Child) -> None:
         self._created[child.key] = (child, time.monotonic())
 
+    def note_written(self, cd: ComputeDomain) -> None:
+        """Remember our own write of ``cd`` so the next reconcile does not act on the older cached copy."""
+        self._written[cd.uid] = cd
+
+    def _cd_seen(self, cd: ComputeDomain) -> None:
+        written = self._written.get(cd.uid)
+        if written is not None and not _newer(written.metadata.resource_version, cd.metadata.resource_version):
+            del self._written[cd.uid]
+
+    def _cd_gone(self, cd: ComputeDomain) -> None:
+        self._written.pop(cd.uid, None)
+
     def _seen(self, child: Child) -> None:
         self._created.pop(child.key, None)
 
@@ -161,8 +176,14 @@ class Caches:
     # ---- reads ---------------------------------------------------------------------------------------
 
     def cd(self, uid: str) -> ComputeDomain | None:
+        """The domain from the cache, or our newer write of it; never a domain the cache does not have."""
         found = self.cds.by_index("uid", uid)
-        return found[0] if found else None
+        if not found:
+            return None
+        written = self._written.get(uid)
+        if written is not None and _newer(written.metadata.resource_version, found[0].metadata.resource_version):
+            return written
+        return found[0]
 
     def known_uids(self) -> set[str]:
         return set(self.cds.index_values("uid"))
@@ -217,6 +238,15 @@ class Caches:
                 on_update=lambda _o, n: _route(clique_cd_uid(n), on_uid),
                 on_delete=lambda c: _route(clique_cd_uid(c), on_uid),
             )
+
+
+def _newer(a: str, b: str) -> bool:
+    """Whether resourceVersion ``a`` is newer than ``b``. They are opaque to clients, but every apiserver
+    backed by etcd hands out increasing integers; anything else counts as not newer (trust the cache)."""
+    try:
+        return int(a) > int(b)
+    except ValueError:
+        return False
 
 
 def _uid(cd: ComputeDomain) -> list[str]:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROUNDS = 16
 CONFLICT_RECHECK = 30.0
+RELEASED_RECHECK = 10.0
 
 ORPHANS_REMOVED = Counter(
     "computedomain_controller_orphans_removed_total", "Orphaned objects removed by the sweep, by kind.", ["kind"]
@@ -157,6 +159,8 @@ class Reconciler:
         self.writer = Writer(client, caches, recorder)
         self._after = after_reconcile
         self._now = now
+        # Domains whose finalizer we removed, by UID -> the resourceVersion we removed it from.
+        self._released: dict[str, tuple[str, float]] = {}
 
     async def reconcile(self, uid: str) -> ReconcileResult:
         try:
@@ -168,7 +172,26 @@ class Reconciler:
     async def _reconcile(self, uid: str) -> ReconcileResult:
         observed = self.caches.observe(uid)
         if observed is None:
+            self._released.pop(uid, None)
             return DONE
+        released = self._released.get(uid)
+        if released is not None and released[0] == observed.cd.metadata.resource_version:
+            # We dropped our finalizer from exactly this version, so the domain is gone and the cache lags.
+            # Nothing would wake us for an unchanged object if it were not: look once more later, and after
+            # that treat it as any other domain.
+            if time.monotonic() - released[1] < RELEASED_RECHECK:
+                return RequeueAfter(RELEASED_RECHECK)
+            del self._released[uid]
+        created: list[str] = []
+        try:
+            return await self._converge(observed, created)
+        finally:
+            if created:
+                # One Event per pass, not one per object: Events are API writes too.
+                self.writer.event(observed.cd, EventType.NORMAL, "Created", "created " + ", ".join(created))
+
+    async def _converge(self, observed: Observed, created: list[str]) -> ReconcileResult:
+        uid = observed.cd.uid
         for _ in range(MAX_ROUNDS):
             plan = desired(observed, self.settings, self._now())
             if not plan:
@@ -176,7 +199,9 @@ class Reconciler:
                     log.debug("reconcile waiting cd=%s uid=%s %s", _name(observed.cd), uid, plan.waiting)
                 break
             log.debug("reconcile cd=%s uid=%s actions=%s", _name(observed.cd), uid, plan.actions)
-            results = await asyncio.gather(*(self._apply(observed, a) for a in plan.actions), return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._apply(observed, a, created) for a in plan.actions), return_exceptions=True
+            )
             error: BaseException | None = None
             for action, result in zip(plan.actions, results, strict=True):
                 if isinstance(result, BaseException):
@@ -192,7 +217,7 @@ class Reconciler:
             return RequeueAfter(CONFLICT_RECHECK)
         return DONE
 
-    async def _apply(self, observed: Observed, action: Action) -> Result:
+    async def _apply(self, observed: Observed, action: Action, created: list[str]) -> Result:
         cd = observed.cd
         patch: dict[str, Any]
         if isinstance(action, AddFinalizer):
@@ -202,9 +227,11 @@ class Reconciler:
                     "finalizers": [*cd.metadata.finalizers, COMPUTE_DOMAIN_FINALIZER],
                 }
             }
-            return await self.client.merge_patch(
+            with_finalizer = await self.client.merge_patch(
                 COMPUTE_DOMAINS, cd.metadata.name, patch, namespace=cd.metadata.namespace, decode=_decode_cd
             )
+            self.caches.note_written(with_finalizer)
+            return with_finalizer
         if isinstance(action, RemoveFinalizer):
             patch = {
                 "metadata": {
@@ -213,7 +240,11 @@ class Reconciler:
                 }
             }
             with contextlib.suppress(NotFound):
-                await self.client.merge_patch(COMPUTE_DOMAINS, cd.metadata.name, patch, namespace=cd.metadata.namespace)
+                raw = await self.client.merge_patch(
+                    COMPUTE_DOMAINS, cd.metadata.name, patch, namespace=cd.metadata.namespace
+                )
+                self.caches.note_written(_decode_cd(raw))
+            self._released[cd.uid] = (cd.metadata.resource_version, time.monotonic())
             log.info("teardown complete cd=%s uid=%s", _name(cd), cd.uid)
             # Whatever the apiserver answered, our part is done: fold a copy without our finalizer.
             meta = cd.metadata.model_copy(
@@ -221,7 +252,7 @@ class Reconciler:
             )
             return cd.model_copy(update={"metadata": meta})
         if isinstance(action, CreateChild):
-            return await self._create(cd, action)
+            return await self._create(cd, action, created)
         if isinstance(action, DeleteChild):
             if action.child.kind is ChildKind.WORKLOAD_TEMPLATE:
                 self.writer.event(cd, EventType.NORMAL, "TearingDown", "deleting the domain's objects")
@@ -243,6 +274,7 @@ class Reconciler:
             }
             raw = await self.client.replace_status(COMPUTE_DOMAINS, body, namespace=cd.metadata.namespace)
             written = _decode_cd(raw)
+            self.caches.note_written(written)
             log.info(
                 "status written cd=%s uid=%s status=%s",
                 _name(cd),
@@ -254,7 +286,7 @@ class Reconciler:
             return written
         raise TypeError(f"unknown action {action!r}")  # pragma: no cover
 
-    async def _create(self, cd: ComputeDomain, action: CreateChild) -> Child | NameTaken:
+    async def _create(self, cd: ComputeDomain, action: CreateChild, created: list[str]) -> Child | NameTaken:
         resource = resource_of(action.kind)
         try:
             raw = await _create_compact(self.client, resource, action.body, action.namespace)
@@ -275,9 +307,7 @@ class Reconciler:
         child = decode_child(raw, action.kind)
         self.caches.note_created(child)
         log.info("created cd=%s uid=%s object=%s", _name(cd), cd.uid, child)
-        self.writer.event(
-            cd, EventType.NORMAL, "Created", f"created {_describe(action.kind)} {child.namespace}/{child.name}"
-        )
+        created.append(f"{_describe(action.kind)} {child.namespace}/{child.name}")
         return child
 
 
