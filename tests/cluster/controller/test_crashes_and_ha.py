@@ -187,3 +187,29 @@ async def test_two_replicas_one_writer_handover_and_takeover(harness: Harness) -
         await eventually(lambda name=name: h.try_get("computedomain", name, "-n", h.cd_ns) is None or None, what="gone")
     assert children_of(h, uid) == EMPTY and children_of(h, uid2) == EMPTY
     _kill(c)
+
+
+@pytest.mark.timeout(120)
+async def test_lost_leadership_ends_the_process(harness: Harness) -> None:
+    h = harness
+    lease = f"cd-controller-{uuid.uuid4().hex[:6]}"
+    port = free_port()
+    proc = h.spawn(
+        log_name="lost",
+        LEADER_ELECTION_ENABLED="true",
+        LEADER_ELECTION_LEASE_LOCK_NAMESPACE=h.driver_ns,
+        LEADER_ELECTION_LEASE_LOCK_NAME=lease,
+        LEADER_ELECTION_LEASE_DURATION="6",
+        LEADER_ELECTION_RENEW_DEADLINE="4",
+        LEADER_ELECTION_RETRY_PERIOD="1",
+        POD_NAME="victim",
+        HTTP_ENDPOINT=f"127.0.0.1:{port}",
+    )
+    await _leading(port, within=30)
+    # Someone else takes the Lease (as a partitioned leader would find after its lease ran out).
+    now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+    patch = json.dumps({"spec": {"holderIdentity": "intruder", "renewTime": now, "acquireTime": now}})
+    h.kubectl("patch", "lease", lease, "-n", h.driver_ns, "--type=merge", "-p", patch)
+    code = await asyncio.to_thread(proc.wait, 30)
+    assert code == 1
+    assert "leadership lost" in h.logs[-1].read_text()
