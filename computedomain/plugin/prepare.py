@@ -25,8 +25,11 @@ configs. It cancels a Prepare of the same claim still running in this process, u
 
 Budget and retries: each claim gets `budget_s` (default 40 s, inside the kubelet's 45 s call deadline, so
 our answer still reaches it); retryable errors are retried with jittered exponential backoff (0.25 s to
-3 s); a claim not done when the budget runs out is left out of the result, which makes the kubelet call
-again. Permanent errors end at once with a one-line message the kubelet shows in the pod's Events.
+3 s). When the budget runs out, a claim whose last attempt ended in a retryable error gets that error
+(`retryable error: ...`, one line, so the kubelet shows the reason in the pod's Events and calls again); a
+claim still in progress (an attempt running, or waiting for its daemon to become Ready) is left out of the
+result, which also makes the kubelet call again. Permanent errors end at once with a one-line
+`permanent error: ...` message.
 
 Concurrency: one task per claim of a request; claims are independent except through the checkpoint, whose
 read-modify-writes run one at a time in a worker thread (an asyncio lock in front of the file lock keeps
@@ -140,13 +143,20 @@ class NotReadyError(Exception):
     """This node's IMEX daemon of the domain did not become Ready in time; the message says what was seen."""
 
 
+class StillWaitingError(RetryableError):
+    """The attempt waited until the budget for something that is on its way (the daemon's readiness): the
+    claim is in progress, not failing, so it is left out of the answer rather than reported as an error."""
+
+
 def classify(exc: BaseException) -> PrepareError | None:
     """Map an error of a collaborator to retryable/permanent; None for unexpected ones (bugs)."""
     if isinstance(exc, PrepareError):
         return exc
     if isinstance(exc, StalePrepareError | ConfigError | CdiError | ClaimNotFoundError):
         return PermanentError(str(exc))
-    if isinstance(exc, ChannelInUseError | LockTimeoutError | LabelConflictError | NotReadyError):
+    if isinstance(exc, NotReadyError):
+        return StillWaitingError(str(exc))
+    if isinstance(exc, ChannelInUseError | LockTimeoutError | LabelConflictError):
         return RetryableError(str(exc))
     if isinstance(exc, CheckpointError):
         # Corruption or I/O trouble: another attempt may see a repaired file, and the message says what to do.
@@ -379,20 +389,24 @@ class Preparer:
         attempt: Callable[[float], Awaitable[T]],
         failed: Callable[[str], T],
     ) -> T | None:
-        """Run attempts until one succeeds, one fails permanently (-> failed(message)), or the budget is
-        spent (-> None: the claim is left out of the answer)."""
+        """Run attempts until one succeeds, one fails permanently (-> failed("permanent error: ...")), or the
+        budget is spent: after a retryable error -> failed("retryable error: ..."); while an attempt is still
+        running or waiting (`StillWaitingError`) -> None, the claim is left out of the answer."""
         deadline = self._monotonic() + self.config.budget_s
         delay = self.config.backoff_initial_s
         attempts = 0
         last = ""
+        last_failed: PrepareError | None = None
         while True:
             attempts += 1
-            remaining = deadline - self._monotonic()
+            began = self._monotonic()
+            remaining = deadline - began
             try:
                 async with asyncio.timeout(max(remaining, 0.001)):
                     return await attempt(deadline)
             except TimeoutError:
                 last = last or "no answer within the budget"
+                last_failed = None  # the budget ended an attempt in progress
                 break
             except Exception as exc:
                 err = classify(exc)
@@ -404,8 +418,12 @@ class Preparer:
                     log.warning("%s failed permanently claim=%s attempt=%d error=%s", operation, ref, attempts, err)
                     return failed(f"permanent error: {err}")
                 last = str(err)
+                last_failed = None if isinstance(err, StillWaitingError) else err
                 sleep = delay * (0.5 + self._rng.random())
-                if self._monotonic() + sleep >= deadline:
+                now = self._monotonic()
+                # Twice the last attempt's time must be left after the backoff: an attempt the budget would
+                # cut short tells the user less than the error just seen.
+                if now + sleep + 2 * (now - began) >= deadline:
                     break
                 log.info(
                     "%s attempt failed; retrying claim=%s attempt=%d in=%.2fs error=%s",
@@ -418,14 +436,21 @@ class Preparer:
                 await asyncio.sleep(sleep)
                 delay = min(delay * 2, self.config.backoff_max_s)
         log.warning(
-            "%s not finished within %.0fs; the kubelet will call again claim=%s attempts=%d last_error=%s",
+            "%s not finished within %gs; the kubelet will call again claim=%s attempts=%d last_error=%s",
             operation,
             self.config.budget_s,
             ref,
             attempts,
             last,
         )
-        return None
+        if last_failed is None:
+            return None
+        # One line: the kubelet puts it into an Event message as it is.
+        reason = " ".join(str(last_failed).split())
+        return failed(
+            f"retryable error: {reason} (still failing after {attempts} attempts in "
+            f"{self.config.budget_s:g}s; the kubelet will call again)"
+        )
 
     # -- checkpoint access
 

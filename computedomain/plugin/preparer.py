@@ -5,7 +5,7 @@ either into the plain, immutable values below and calls a `Preparer`. Nothing he
 protobuf or Kubernetes clients, so the prepare logic can be tested and benchmarked without sockets.
 
 Result contract (the kubelet's): the returned mapping is keyed by claim UID. A claim with a non-empty
-`error` failed; a claim *left out* of the mapping is "not done yet" (e.g. its retry budget ran out) and the
+`error` failed; a claim *left out* of the mapping is "not done yet" (e.g. an attempt was still running when its budget ran out) and the
 kubelet calls again later. A `Preparer` should raise only for bugs: the server turns an exception into an
 RPC-level error, which makes the kubelet drop the whole response.
 """

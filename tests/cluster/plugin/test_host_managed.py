@@ -54,6 +54,14 @@ async def test_channel_waits_for_the_host_daemon_and_daemon_claims_are_refused(
             within=60,
             what="retries that say the daemon's state",
         )
+        # Once the budget is spent, the retryable error with the daemon's state reaches the pod's Events.
+        (failed, *_) = await eventually(
+            lambda: [m for m in events(harness, "worker", "FailedPrepareDynamicResources") if "retryable" in m],
+            within=60,
+            what="a FailedPrepareDynamicResources event with the retryable error",
+        )
+        assert "retryable error: host nvidia-imex daemon not ready: state WAITING_FOR_PEERS" in failed, failed
+        assert "output: " in failed and "\n" not in failed
         assert harness.phase("worker") == "Pending" and node.cdi_files() == []
     finally:
         daemon.kill()

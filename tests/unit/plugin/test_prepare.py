@@ -76,13 +76,50 @@ async def test_not_ready_within_budget_is_left_out(tmp_path: Path) -> None:
     assert entry is not None and entry.state is ClaimState.PREPARE_STARTED
 
 
+async def test_budget_spent_on_retryable_errors_returns_the_last_one_on_one_line(tmp_path: Path) -> None:
+    outputs = iter(["state INITIALIZING"])
+
+    async def host_check() -> None:
+        output = next(outputs, "state UNAVAILABLE\nconnection refused\n  on /run/imex.sock")
+        raise RetryableError(f"host nvidia-imex daemon not ready: {output}")
+
+    bed = Bed(tmp_path, host_managed=True, budget_s=0.6, host_check=host_check)
+    ref = bed.channel_claim(bed.domains.add("team-a"))
+    error = (await bed.preparer.prepare([ref]))[ref.uid].error
+    assert error.startswith("retryable error: host nvidia-imex daemon not ready: state UNAVAILABLE"), error
+    assert "\n" not in error and "connection refused on /run/imex.sock" in error
+    assert "attempts in 0.6s; the kubelet will call again" in error
+    entry = bed.store.read().get(ref.uid)
+    assert entry is not None and entry.state is ClaimState.PREPARE_STARTED, "nothing undone: the next call goes on"
+    assert bed.cdi.list_claims() == {}
+
+
+async def test_an_attempt_still_running_at_the_end_is_left_out_even_after_errors(tmp_path: Path) -> None:
+    calls = 0
+
+    async def host_check() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RetryableError("host nvidia-imex daemon not ready: state UNAVAILABLE")
+        await asyncio.sleep(60)  # a slow ctl: the budget ends while it runs
+
+    bed = Bed(tmp_path, host_managed=True, budget_s=1.0, host_check=host_check)
+    ref = bed.channel_claim(bed.domains.add("team-a"))
+    assert await bed.preparer.prepare([ref]) == {}
+    assert calls == 2
+
+
 async def test_another_domains_label_is_retryable(tmp_path: Path) -> None:
     bed = Bed(tmp_path, budget_s=0.5)
     cd = bed.domains.add("team-a")
     bed.readiness.set_ready(cd.uid)
     bed.labels.labels[COMPUTE_DOMAIN_LABEL] = "0b9c3f0e-0000-4000-8000-000000000000"
     ref = bed.channel_claim(cd)
-    assert await bed.preparer.prepare([ref]) == {}
+    error = (await bed.preparer.prepare([ref]))[ref.uid].error
+    # The budget ended on a retryable error: the kubelet gets it (and shows it in the pod's Events).
+    assert error.startswith("retryable error: ") and "0b9c3f0e-0000-4000-8000-000000000000" in error, error
+    assert "the kubelet will call again" in error and "\n" not in error
     # Freed within the budget: a retry succeeds.
     bed.set_budget(5)
     task = asyncio.create_task(bed.preparer.prepare([ref]))
@@ -177,7 +214,8 @@ async def test_channel_still_held_by_another_claim_is_retryable(tmp_path: Path) 
     bed.readiness.set_ready(cd.uid)
     first, second = bed.channel_claim(cd), bed.channel_claim(cd)
     assert (await bed.preparer.prepare([first]))[first.uid].ok
-    assert await bed.preparer.prepare([second]) == {}, "left out: retryable until the first is unprepared"
+    error = (await bed.preparer.prepare([second]))[second.uid].error
+    assert error.startswith("retryable error: "), "retryable until the first is unprepared"
     await bed.preparer.unprepare([first])
     bed.set_budget(5)
     assert (await bed.preparer.prepare([second]))[second.uid].ok
@@ -232,7 +270,9 @@ async def test_host_managed_checks_the_host_daemon(tmp_path: Path) -> None:
     bed = Bed(tmp_path, host_managed=True, budget_s=0.3, host_check=host_check)
     cd = bed.domains.add("team-a")
     ref = bed.channel_claim(cd, "All")
-    assert await bed.preparer.prepare([ref]) == {} and calls > 1
+    error = (await bed.preparer.prepare([ref]))[ref.uid].error
+    assert calls > 1
+    assert error.startswith("retryable error: host nvidia-imex daemon not ready: state WAITING_FOR_PEERS"), error
     ready = True
     result = (await bed.preparer.prepare([ref]))[ref.uid]
     assert result.ok
