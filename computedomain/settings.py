@@ -13,6 +13,7 @@ messages (`manifests/`), so `helm template` and the binaries agree.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import posixpath
 from collections.abc import Mapping, Sequence
@@ -289,6 +290,9 @@ class PluginSettings(CommonSettings):
     driver_root: str = setting("NVIDIA_DRIVER_ROOT", "root of the NVIDIA driver installation", default="/")
     proc_root: str = setting("PROC_ROOT", "where /proc of the host is visible", default="/proc")
     health_port: int = setting("HEALTHCHECK_PORT", "gRPC health port (negative disables)", default=HEALTH_PORT)
+    pod_ip: str = setting(
+        "POD_IP", "this pod's IP (downward API status.podIP): the health server binds it; empty: all", default=""
+    )
     gpu_clique_label_enabled: bool = setting(
         "GPU_CLIQUE_LABEL_ENABLED", "maintain the nvidia.com/gpu.clique node label", default=False
     )
@@ -305,6 +309,13 @@ class PluginSettings(CommonSettings):
         for env, value in (("CDI_ROOT", self.cdi_root), ("NVIDIA_DRIVER_ROOT", self.driver_root)):
             if not value.startswith("/"):
                 raise SettingsError(f"{env} {value!r} must be an absolute path")
+        if self.pod_ip:
+            try:
+                ipaddress.ip_address(self.pod_ip)
+            except ValueError:
+                raise SettingsError(
+                    f"POD_IP {self.pod_ip!r} is not an IP address (set it from the downward API: status.podIP)"
+                ) from None
 
 
 S = TypeVar("S", bound=CommonSettings)

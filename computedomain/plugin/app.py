@@ -10,7 +10,7 @@ start-up, in order (each failure is one line on stderr and a non-zero exit; noth
   3. the checkpoint: boot-ID rule, and a corrupt file stops the agent with the fix in the message;
   4. the Kubernetes client, the ComputeDomain (and clique) caches, the Preparer;
   5. gRPC: DRA socket first, then registration (the kubelet must never learn an endpoint that does not
-     listen yet), health on TCP;
+     listen yet), health on TCP (the pod IP when POD_IP is set, else every address);
   6. background tasks: ResourceSlice publishing, clique refresh (and the `nvidia.com/gpu.clique` label),
      startup + periodic cleanup.
 
@@ -165,7 +165,7 @@ class NodeAgent:
         )
         self.clique_labeler = CliqueLabeler(self.labels, self.hardware, refresh_s=clique_refresh_s)
         health_port = settings.health_port if settings.health_port >= 0 else None
-        self.server = PluginServer(self.preparer, self.paths, health_port=health_port)
+        self.server = PluginServer(self.preparer, self.paths, health_port=health_port, health_host=settings.pod_ip)
         self.publisher: SlicePublisher | None = None
 
     async def _host_check(self) -> None:

@@ -8,7 +8,7 @@ Owns three asyncio gRPC servers and the socket files they listen on:
 - the DRA node service in both wire versions (`k8s.io.kubelet.pkg.apis.dra.v1` and `...v1beta1`) on
   `<plugins dir>/<driver>/dra.sock`; both translate into the version-free model of `preparer` and delegate
   to an injected `Preparer`;
-- `grpc.health.v1` on TCP (the pod probes), services `""` and `liveness`, whose Check dials the two unix
+- `grpc.health.v1` on TCP (the pod probes; on the pod IP when it is known, else on every address), services `""` and `liveness`, whose Check dials the two unix
   sockets above by path, so a deleted socket file or a wedged server turns into NOT_SERVING.
 
 This is the only module of the package that imports grpc. Everything runs on the caller's event loop;
@@ -118,6 +118,15 @@ def remove_stale_socket(path: Path) -> bool:
 
 def _unix_target(path: Path) -> str:
     return f"unix:{path}"
+
+
+def tcp_address(host: str, port: int) -> str:
+    """gRPC's `host:port`: empty host -> every address (`[::]`, dual-stack), IPv6 literals bracketed."""
+    if not host:
+        return f"[::]:{port}"
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
 
 
 # --- DRA node service ------------------------------------------------------------------------------------
@@ -253,10 +262,11 @@ class PluginServer:
         *,
         driver_name: str = DRIVER_NAME,
         health_port: int | None = HEALTH_PORT,
-        health_host: str = "[::]",
+        health_host: str = "",
         self_check_timeout_s: float = 3.0,
     ) -> None:
-        """health_port None disables the health server; 0 picks a free port (see `health_port`)."""
+        """health_port None disables the health server; 0 picks a free port (see `health_port`). health_host
+        is the address it binds (the pod IP, so several agents on one machine do not clash); empty: all."""
         for path in (paths.registration, paths.dra):
             _check_socket_path(path)
         self.paths = paths
@@ -284,19 +294,19 @@ class PluginServer:
                 self._health_server = grpc.aio.server()
                 health = _HealthService(self.self_check)
                 health_pb2_grpc.add_HealthServicer_to_server(health, self._health_server)
-                address = f"{self._health_host}:{self._health_port_wanted}"
+                address = tcp_address(self._health_host, self._health_port_wanted)
                 self.health_port = self._health_server.add_insecure_port(address)
                 await self._health_server.start()
         except BaseException:
             await self.stop(grace_s=0)
             raise
         log.info(
-            "plugin serving driver=%s registration=%s dra=%s versions=%s health_port=%s",
+            "plugin serving driver=%s registration=%s dra=%s versions=%s health=%s",
             self.driver_name,
             self.paths.registration,
             self.paths.dra,
             ",".join(SUPPORTED_VERSIONS),
-            self.health_port,
+            tcp_address(self._health_host, self.health_port) if self.health_port is not None else "off",
         )
 
     async def stop(self, grace_s: float = 2.0) -> None:

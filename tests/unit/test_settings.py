@@ -111,6 +111,7 @@ def test_flags_override_env() -> None:
         (PluginSettings, {**NODE, "CDI_ROOT": "cdi"}, "CDI_ROOT 'cdi' must be an absolute path"),
         (PluginSettings, {**NODE, "HEALTHCHECK_PORT": "x"}, "HEALTHCHECK_PORT 'x' must be an integer"),
         (PluginSettings, {**NODE, "GPU_CLIQUE_LABEL_ENABLED": "maybe"}, "must be true or false"),
+        (PluginSettings, {**NODE, "POD_IP": "10.0.0.300"}, "POD_IP '10.0.0.300' is not an IP address"),
         (ControllerSettings, {"MAX_NODES_PER_IMEX_DOMAIN": "0"}, "MAX_NODES_PER_IMEX_DOMAIN must be at least 1"),
         (ControllerSettings, {"LEADER_ELECTION_ENABLED": "true"}, "POD_NAME is required"),
         (
@@ -155,3 +156,8 @@ def test_cli_exits_non_zero_with_one_line() -> None:
     )
     assert result.returncode != 0
     assert result.stderr == "error: IMEX_ISOLATION=channel is not implemented yet; use domain\n"
+
+
+@pytest.mark.parametrize("pod_ip", ["", "10.1.2.3", "fd00::5"])
+def test_plugin_pod_ip(pod_ip: str) -> None:
+    assert load_settings(PluginSettings, environ={**NODE, "POD_IP": pod_ip}).pod_ip == pod_ip

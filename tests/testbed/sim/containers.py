@@ -11,8 +11,9 @@ strings the process receives instead:
 - the few container paths a program uses without being told (`/imexd` and `/etc/hosts` of the IMEX
   daemon) are handed to it through the settings that exist for exactly that (`IMEXD_DIR`, `HOSTS_FILE`);
 - every pod has its own IP, but processes share the machine's ports: an address `[host]:port` of a declared
-  container port becomes `<pod IP>:port`, and a bare declared port number (a process that binds all
-  interfaces) is remapped to a free port that the probes then use;
+  container port becomes `<pod IP>:port`; a bare declared port number stays as it is when the process is
+  told its pod IP (an env value equal to it, e.g. `POD_IP` from `status.podIP`: it binds that address),
+  and is otherwise (a process that binds all interfaces) remapped to a free port that the probes then use;
 - `python` is this interpreter (the image's Python with the same packages).
 """
 
@@ -170,12 +171,13 @@ def translate(
     ports = {p for p in container_ports(container).values()}
     port_map: dict[int, tuple[str, int]] = {}
     out: dict[str, str] = {}
+    binds_pod_ip = bool(pod_ip) and pod_ip in env.values()
     for name, value in env.items():
         if value.startswith("/"):
             host = mounts.translate(value)
             out[name] = str(host) if host is not None else value
             continue
-        if value.isdigit() and int(value) in ports:
+        if value.isdigit() and int(value) in ports and not binds_pod_ip:
             port = int(value)
             port_map.setdefault(port, ("127.0.0.1", free_port()))
             out[name] = str(port_map[port][1])

@@ -33,7 +33,12 @@ from tests.unit.manifests.chart import (
     render,
 )
 
-FIELDS = {"metadata.name": "pod-1", "metadata.namespace": "nvidia-compute-domain", "spec.nodeName": "node-1"}
+FIELDS = {
+    "metadata.name": "pod-1",
+    "metadata.namespace": "nvidia-compute-domain",
+    "spec.nodeName": "node-1",
+    "status.podIP": "10.244.1.7",
+}
 
 
 def _env_names(cls: type) -> set[str]:
@@ -85,10 +90,13 @@ def test_node_agent_env_is_what_the_node_agent_reads(default: Rendered) -> None:
     assert set(env) >= {
         "FEATURE_GATES", "IMEX_MODE", "IMEX_ISOLATION", "IMEX_HOST_SOCKET_PATH", "NAMESPACE", "KUBECONFIG",
         "LOG_LEVEL", "LOG_FORMAT", "NODE_NAME", "KUBELET_REGISTRAR_DIRECTORY_PATH", "KUBELET_PLUGINS_DIRECTORY_PATH",
-        "CDI_ROOT", "NVIDIA_DRIVER_ROOT", "PROC_ROOT", "HEALTHCHECK_PORT", "GPU_CLIQUE_LABEL_ENABLED",
+        "CDI_ROOT", "NVIDIA_DRIVER_ROOT", "PROC_ROOT", "HEALTHCHECK_PORT", "GPU_CLIQUE_LABEL_ENABLED", "POD_IP",
     }  # fmt: skip
     settings = load_settings(PluginSettings, environ=env)
     assert settings.node_name == "node-1" and settings.health_port == HEALTH_PORT == 51515
+    # The health server binds the pod IP; the kubelet's gRPC probes dial the pod IP, so they still reach it.
+    assert settings.pod_ip == "10.244.1.7"
+    assert "host" not in _agent(default)["livenessProbe"]["grpc"]
     assert settings.driver_root == "/driver-root" and not settings.gpu_clique_label_enabled
 
 

@@ -18,6 +18,7 @@ from computedomain.plugin.grpc_server import (
     PluginServer,
     SocketPathError,
     SocketPaths,
+    tcp_address,
 )
 from computedomain.plugin.preparer import (
     ClaimRef,
@@ -232,6 +233,46 @@ async def _health(port: int, service: str) -> int:
 async def test_health_serving(server: PluginServer, service: str) -> None:
     assert server.health_port
     assert await _health(server.health_port, service) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize(
+    ("host", "address"),
+    [("", "[::]:51515"), ("10.1.2.3", "10.1.2.3:51515"), ("fd00::5", "[fd00::5]:51515"), ("[::1]", "[::1]:51515")],
+)
+def test_health_address(host: str, address: str) -> None:
+    assert tcp_address(host, 51515) == address
+
+
+async def test_agents_on_pod_ips_share_the_health_port(preparer: FakePreparer, short_dir: Path) -> None:
+    # Two agents on one machine (the simulated cluster's pod host): each binds its pod IP, same port.
+    first = PluginServer(
+        preparer,
+        SocketPaths.for_driver(short_dir / "r1", short_dir / "p1", DRIVER),
+        health_port=0,
+        health_host="127.0.0.2",
+    )
+    await first.start()
+    try:
+        assert first.health_port
+        second = PluginServer(
+            preparer,
+            SocketPaths.for_driver(short_dir / "r2", short_dir / "p2", DRIVER),
+            health_port=first.health_port,
+            health_host="127.0.0.3",
+        )
+        await second.start()
+        try:
+            assert second.health_port == first.health_port
+            for ip in ("127.0.0.2", "127.0.0.3"):
+                async with grpc.aio.insecure_channel(f"{ip}:{first.health_port}") as channel:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service="liveness"), timeout=10
+                    )
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await second.stop(grace_s=0)
+    finally:
+        await first.stop(grace_s=0)
 
 
 async def test_health_unknown_service(server: PluginServer) -> None:

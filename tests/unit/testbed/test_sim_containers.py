@@ -86,3 +86,13 @@ def test_cdi_edits_of_the_named_devices() -> None:
     }
     with pytest.raises(UnsupportedPodError):
         cdi_edits([spec], ["k8s.compute-domain.nvidia.com/claim=other"])
+
+
+def test_a_process_told_its_pod_ip_keeps_its_declared_port() -> None:
+    # The node agent binds POD_IP: several on one machine share the port number, each on its own IP.
+    container = {"name": "c", "command": ["python", "-m", "computedomain", "kubelet-plugin"]}
+    container["ports"] = [{"containerPort": 51515, "name": "healthcheck"}]
+    env = {"POD_IP": "127.40.1.3", "HEALTHCHECK_PORT": "51515"}
+    plan = translate(pod=POD, container=container, env=env, mounts=Mounts(), free_port=lambda: 40001)
+    assert plan.env == env
+    assert plan.endpoint("healthcheck", {"healthcheck": 51515}, "127.40.1.3") == ("127.40.1.3", 51515)
