@@ -126,14 +126,14 @@ class ControllerProcess:
             await asyncio.sleep(0.05)
         raise RuntimeError("controller did not become ready")
 
-    def requests(self) -> Counter[str]:
-        """API requests by verb (excluding Events and reads of informers), from the controller's metrics."""
+    def requests(self, *, events: bool = False) -> Counter[str]:
+        """API requests by verb and resource (Events only if asked), from the controller's metrics."""
         out: Counter[str] = Counter()
         for m in re.finditer(
             r"^computedomain_kube_api_requests_total\{([^}]*)\} ([0-9.e+]+)$", self.get("/metrics"), re.M
         ):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            if labels["resource"] != "events":
+            if events or labels["resource"] != "events":
                 code = "" if labels["code"].startswith("2") else f" ({labels['code']})"
                 out[f"{labels['verb']} {labels['resource']}{code}"] += int(float(m.group(2)))
         return out
@@ -328,11 +328,19 @@ async def scale(client: KubeClient, ctl: ControllerProcess, cd_ns: str) -> dict[
         return ready >= SCALE
 
     await poll(all_ready)
-    await asyncio.sleep(2.0)
+    # Idle means: no request of any kind (Events included) for 3 s; then measure CPU and requests.
+    settled, last, quiet_since = False, ctl.requests(events=True), time.monotonic()
+    while not settled:
+        await asyncio.sleep(0.5)
+        now = ctl.requests(events=True)
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        settled = time.monotonic() - quiet_since >= 3.0
     rss = ctl.rss_mb()
     cpu0 = ctl.cpu_seconds()
     await asyncio.sleep(IDLE)
     idle_cpu = (ctl.cpu_seconds() - cpu0) / IDLE
+    idle_requests = sum((ctl.requests(events=True) - last).values())
     await gather_limited([client.delete(COMPUTE_DOMAINS, n, namespace=cd_ns) for n in names])
     await poll(lambda: _none_left(client, cd_ns, "scale-"))
     await asyncio.sleep(1.0)
@@ -342,7 +350,7 @@ async def scale(client: KubeClient, ctl: ControllerProcess, cd_ns: str) -> dict[
         for k in after
         if after[k] - before[k] > 0 and not k.startswith(("list", "watch"))
     }
-    return {"rss_mb": rss, "idle_cpu": idle_cpu, "per_cd": per_cd}
+    return {"rss_mb": rss, "idle_cpu": idle_cpu, "idle_requests": idle_requests, "per_cd": per_cd}
 
 
 async def main() -> None:
@@ -370,7 +378,10 @@ async def main() -> None:
         print(summary("last clique entry Ready -> CD Ready", ready) + "   (target: p99 < 500 ms)")
         result = await scale(client, ctl, cd_ns)
         print(f"scale: {SCALE} CDs cached: controller RSS {result['rss_mb']:.0f} MB (target < 200 MB at 1,000)")
-        print(f"scale: idle CPU over {IDLE:.0f}s: {result['idle_cpu'] * 100:.2f}% of one core (target ~0)")
+        print(
+            f"scale: idle CPU over {IDLE:.0f}s: {result['idle_cpu'] * 100:.2f}% of one core, "
+            f"{result['idle_requests']} API requests (target ~0: no polling)"
+        )
         writes = sum(v for k, v in result["per_cd"].items() if not k.startswith("get"))
         detail = ", ".join(f"{k}={v:.2f}" for k, v in sorted(result["per_cd"].items()))
         print(f"scale: API requests per CD lifecycle (create -> Ready -> delete): {writes:.2f} writes; {detail}")
