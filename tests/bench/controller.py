@@ -4,7 +4,7 @@
    domain, against the bare API-write floor measured in the same run: the same four writes per domain
    (finalizer patch, daemon template, DaemonSet, workload template) issued directly, all domains at once.
 2. **Ready latency**: the last clique entry turns Ready -> the CD's status says Ready (``BENCH_READY`` samples).
-3. **Scale**: ``BENCH_SCALE`` (300; SPEC says 1,000) domains: controller RSS with them cached, CPU over
+3. **Scale**: ``BENCH_SCALE`` (1,000) domains: controller RSS with them cached, CPU over
    ``BENCH_IDLE`` seconds of idleness (no polling: ~0), and API requests per domain lifecycle
    (create -> Ready -> delete -> gone), by verb, from the controller's own metrics.
 
@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 KUBECONFIG = DEFAULT_ROOT / "kubeconfig"
 BURST = int(os.environ.get("BENCH_BURST", "100"))
 READY_SAMPLES = int(os.environ.get("BENCH_READY", "30"))
-SCALE = int(os.environ.get("BENCH_SCALE", "300"))
+SCALE = int(os.environ.get("BENCH_SCALE", "1000"))
 IDLE = float(os.environ.get("BENCH_IDLE", "10"))
 QPS = os.environ.get("BENCH_QPS", "1000")
 
