@@ -133,16 +133,16 @@ class Writer:
         return Gone() if released.terminating and not released.finalizers else released
 
     async def unlabel_node(self, node: NodeView) -> Gone:
-        try:
+        # NotFound: the node is gone. Invalid: the test op failed, so the label no longer names this domain.
+        # Either way the label is no longer ours.
+        with contextlib.suppress(NotFound, Invalid):
             await self.client.json_patch(NODES, node.name, nodes.unlabel_patch(node))
-        except NotFound:
-            pass
-        except Invalid:
-            pass  # the test op failed: the label no longer names this domain, which is what we wanted
         return Gone()
 
 
 class Reconciler:
+    """The work queue's callback: ``reconcile(uid)`` converges one domain (see the module docstring)."""
+
     def __init__(
         self,
         client: KubeClient,
