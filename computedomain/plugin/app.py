@@ -264,8 +264,10 @@ async def _logged(name: str, make: Callable[[], Any]) -> None:
         raise
 
 
-async def main(settings: PluginSettings) -> int:
-    """The process: 0 after a signal, 1 when start-up or a background task fails."""
+async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
+    """The node agent until `stop` is set: 0 then, 1 when start-up or a background task fails (a start-up
+    failure is one `error: ...` line on stderr). Installs no signal handlers: the caller owns `stop`
+    (`main`: SIGTERM/SIGINT; the test bed's pod host: the container's stop)."""
     client = await KubeClient.connect(
         kubeconfig=settings.kubeconfig or None,
         config=ClientConfig(qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager=COMPONENT),
@@ -277,10 +279,6 @@ async def main(settings: PluginSettings) -> int:
         except StartupError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         try:
             await agent.run(stop)
         except RuntimeError as exc:
@@ -290,3 +288,12 @@ async def main(settings: PluginSettings) -> int:
         return 0
     finally:
         await client.close()
+
+
+async def main(settings: PluginSettings) -> int:
+    """The process: `serve` until SIGTERM/SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await serve(settings, stop)

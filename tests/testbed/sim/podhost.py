@@ -5,15 +5,16 @@ process pays ~1 s of CPU for its imports alone). A pod host imports once and run
 entry point its command names, in the same event loop, with separate state:
 
   python -m computedomain kubelet-plugin ARGS   settings from ARGS over the container's env ->
-                                                `computedomain.plugin.app.NodeAgent` (what `main` builds)
+                                                `computedomain.plugin.app.serve` (`main` minus its signals)
   python -m imex daemon run ARGS                settings from ARGS over the env -> `imex.daemon.run.run_daemon`
 
 Each container has its own settings (so its own kubeconfig and token, sockets, directories, pod IP, health
 port), its own Kubernetes client and its own stop event. What the containers share is the process: the
 event loop, `os.environ` (nothing of theirs reads it: settings take `environ=`, and the daemon's
 `nvidia-imex` is a per-pod wrapper named by `IMEX_BINARY` that sets the simulator's env itself), the
-prometheus registry, and the root logger, whose records are routed to each container's log file by a
-context variable that every task of that container inherits.
+prometheus registry, and the root logger and `sys.stderr`, whose records and lines are routed to each
+container's log file by a context variable that every task of that container inherits (so a start-up
+`error: ...` line lands in the container's log, as it would in a process of its own).
 
 Protocol (JSON lines): stdin `{"op": "start", "id", "argv", "env", "log"}`, `{"op": "term", "id"}` (the
 container's SIGTERM: its graceful path runs), `{"op": "kill", "id"}` (its task is cancelled: no graceful path,
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import io
 import json
 import logging
 import os
@@ -59,6 +61,22 @@ class _Router(logging.Handler):
             self.handleError(record)
 
 
+class _RoutedStderr(io.TextIOBase):
+    """`sys.stderr` of the pod host: a hosted container's writes go to its log file."""
+
+    def __init__(self, router: _Router) -> None:
+        self.router = router
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        target = self.router.files.get(current.get() or "", self.router.fallback)
+        target.write(text)
+        target.flush()
+        return len(text)
+
+
 def _program(argv: Sequence[str]) -> tuple[str, ...]:
     return tuple(argv[1:]) if argv and argv[0] == sys.executable else tuple(argv)
 
@@ -69,9 +87,10 @@ async def run_container(argv: Sequence[str], env: dict[str, str], stop: asyncio.
     program = _program(argv)
     try:
         if program[:3] == ("-m", "computedomain", "kubelet-plugin"):
+            from computedomain.plugin.app import serve
             from computedomain.settings import PluginSettings
 
-            return await _node_agent(load_settings(PluginSettings, program[3:], environ=env), env, stop)
+            return await serve(load_settings(PluginSettings, program[3:], environ=env), stop)
         if program[:4] == ("-m", "imex", "daemon", "run"):
             from imex.daemon.run import run_daemon
             from imex.daemon.settings import DaemonSettings
@@ -84,32 +103,6 @@ async def run_container(argv: Sequence[str], env: dict[str, str], stop: asyncio.
         return 2
     log.error("podhost cannot host %s", " ".join(argv))
     return 127
-
-
-async def _node_agent(settings: Any, env: dict[str, str], stop: asyncio.Event) -> int:
-    # The body of computedomain.plugin.app.main, minus its signal handlers (the stop event is ours).
-    from computedomain.kube.client import ClientConfig, KubeClient
-    from computedomain.plugin.app import COMPONENT, NodeAgent, StartupError, make_discovery
-
-    client = await KubeClient.connect(
-        kubeconfig=settings.kubeconfig or None,
-        config=ClientConfig(qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager=COMPONENT),
-    )
-    try:
-        agent = NodeAgent(settings, client, make_discovery(settings))
-        try:
-            await asyncio.to_thread(agent.prepare_startup)
-        except StartupError as exc:
-            log.error("error: %s", exc)
-            return 1
-        try:
-            await agent.run(stop)
-        except RuntimeError as exc:
-            log.error("node agent failed: %s", exc)
-            return 1
-        return 0
-    finally:
-        await client.close()
 
 
 class Host:
@@ -203,6 +196,7 @@ def main(argv: list[str]) -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     router = _Router(sys.stderr)
+    sys.stderr = _RoutedStderr(router)
     root = logging.getLogger()
     root.handlers[:] = [router]
     root.setLevel(logging.INFO)
