@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -289,7 +288,7 @@ class Reconciler:
     async def _create(self, cd: ComputeDomain, action: CreateChild, created: list[str]) -> Child | NameTaken:
         resource = resource_of(action.kind)
         try:
-            raw = await _create_compact(self.client, resource, action.body, action.namespace)
+            raw = await self.client.create(resource, action.body, namespace=action.namespace)
         except AlreadyExists:
             raw = await self.client.get(resource, action.name, namespace=action.namespace)
             existing = decode_child(raw, action.kind)
@@ -309,22 +308,6 @@ class Reconciler:
         log.info("created cd=%s uid=%s object=%s", _name(cd), cd.uid, child)
         created.append(f"{_describe(action.kind)} {child.namespace}/{child.name}")
         return child
-
-
-async def _create_compact(client: KubeClient, resource: Resource, body: dict[str, Any], namespace: str) -> Raw:
-    """POST ``body`` serialized compactly.
-
-    Workaround until the kube client sends compact JSON: kubernetes_asyncio encodes request bodies with
-    ``json.dumps`` defaults (``", "``/``": "``), and the apiserver stores an opaque config's raw bytes as sent.
-    Every later update re-encodes them compactly, so the ResourceClaimTemplate's immutable spec "changes" and
-    even a metadata-only finalizer patch is refused ("spec: field is immutable"). A YAML content type makes
-    kubernetes_asyncio send our bytes untouched, and JSON is YAML.
-    """
-    data = json.dumps(body, separators=(",", ":")).encode()
-    path = resource.path(namespace=namespace)
-    return await client._json(
-        "POST", path, verb="create", resource=resource, body=data, content_type="application/yaml"
-    )
 
 
 def _describe(kind: ChildKind) -> str:

@@ -224,6 +224,13 @@ class ClientConfig:
 
 
 _JSON = "application/json"
+# Object bodies (create, replace) go out as compact JSON under the YAML media type (JSON is YAML). Why:
+# kubernetes_asyncio re-encodes anything sent as JSON with `json.dumps` defaults (", " and ": "), and the
+# apiserver stores embedded raw fields (the opaque device configs of ResourceClaimTemplates) byte for byte.
+# The server re-encodes them compactly on every later write, so a spaced original makes the immutable spec
+# look changed and even a metadata-only patch is refused ("spec: field is immutable"). The YAML path hands
+# our bytes through untouched and the server converts them to compact JSON.
+_OBJECT_BODY = "application/yaml"
 _MERGE_PATCH = "application/merge-patch+json"
 _JSON_PATCH = "application/json-patch+json"
 _APPLY_PATCH = "application/apply-patch+yaml"
@@ -415,6 +422,8 @@ class KubeClient:
         content_type: str,
         client_timeout: aiohttp.ClientTimeout,
     ) -> aiohttp.ClientResponse:
+        if method in ("POST", "PUT") and content_type == _JSON and isinstance(body, dict):
+            body, content_type = json.dumps(body, separators=(",", ":")).encode(), _OBJECT_BODY
         headers = {"Accept": _JSON, "Content-Type": content_type, **self.config.extra_headers}
         # _preload_content=False: kubernetes_asyncio hands back the aiohttp response untouched
         # (no status check, no model deserialization); we decode the JSON ourselves.
