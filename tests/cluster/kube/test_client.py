@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from computedomain.kube import errors
-from computedomain.kube.client import COMPUTE_DOMAINS, KubeClient, Raw
+from computedomain.kube.client import COMPUTE_DOMAINS, RESOURCE_CLAIM_TEMPLATES, KubeClient, Raw
 from tests.cluster.kube.conftest import CONFIGMAPS, compact_etcd
 from tests.conftest import Cluster
 
@@ -148,3 +148,27 @@ async def test_watch_streams_events_and_too_old_version_is_gone(
             async for _ in old:
                 pass
     assert gone.value.status == 410
+
+
+async def test_created_opaque_configs_stay_byte_stable_so_metadata_patches_pass(
+    kube: KubeClient, namespace: str
+) -> None:
+    # The apiserver keeps an embedded opaque config as the bytes it received and re-encodes it compactly on
+    # later writes; a spaced original would make the template's immutable spec look changed.
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "channel"},
+        "spec": {"spec": {"devices": {
+            "requests": [{"name": "channel", "exactly": {"deviceClassName": "compute-domain-default-channel.nvidia.com"}}],
+            "config": [{"requests": ["channel"], "opaque": {"driver": "compute-domain.nvidia.com", "parameters": {
+                "apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomainChannelConfig",
+                "domainID": "6f1b8f0e-3c2a-4a57-9d0e-2b7c1e5a9f10", "allocationMode": "Single"}}}],
+        }}},
+    }  # fmt: skip
+    await kube.create(RESOURCE_CLAIM_TEMPLATES, template, namespace=namespace)
+    patched = await kube.merge_patch(
+        RESOURCE_CLAIM_TEMPLATES, "channel", {"metadata": {"finalizers": ["example.com/f"]}}, namespace=namespace
+    )
+    assert patched["metadata"]["finalizers"] == ["example.com/f"]
+    await kube.merge_patch(RESOURCE_CLAIM_TEMPLATES, "channel", {"metadata": {"finalizers": None}}, namespace=namespace)
