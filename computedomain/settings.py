@@ -296,6 +296,8 @@ class PluginSettings(CommonSettings):
     gpu_clique_label_enabled: bool = setting(
         "GPU_CLIQUE_LABEL_ENABLED", "maintain the nvidia.com/gpu.clique node label", default=False
     )
+    http_endpoint: str = setting("HTTP_ENDPOINT", "host:port for /metrics, /healthz; empty: no server", default="")
+    metrics_path: str = setting("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
     simulated_topology: str = setting(
         "SIMULATED_TOPOLOGY",
         "test bed only: read the NVLink fabric from this topology file instead of NVML (no GB200 here)",

@@ -12,7 +12,9 @@ start-up, in order (each failure is one line on stderr and a non-zero exit; noth
   5. gRPC: DRA socket first, then registration (the kubelet must never learn an endpoint that does not
      listen yet), health on TCP (the pod IP when POD_IP is set, else every address);
   6. background tasks: ResourceSlice publishing, clique refresh (and the `nvidia.com/gpu.clique` label),
-     startup + periodic cleanup.
+     startup + periodic cleanup;
+  7. with `HTTP_ENDPOINT` set: prometheus metrics on `METRICS_PATH` and `/healthz` (`computedomain.http`),
+     started by `serve` right after step 3, so a bad endpoint or a taken port is a start-up error too.
 
 SIGTERM/SIGINT: stop registration and DRA (in-flight calls get a grace period; an unfinished Prepare is
 recorded as PrepareStarted and finished or undone by the next process), stop the background tasks, close
@@ -34,7 +36,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+from aiohttp import web
+
 from computedomain.api.constants import DRIVER_NAME
+from computedomain.http import EndpointError, start_http
 from computedomain.kube.client import NODES, ClientConfig, KubeClient, Raw
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import Informer
@@ -272,10 +277,13 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
         kubeconfig=settings.kubeconfig or None,
         config=ClientConfig(qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager=COMPONENT),
     )
+    http: web.AppRunner | None = None
     try:
         agent = NodeAgent(settings, client, make_discovery(settings))
         try:
             await asyncio.to_thread(agent.prepare_startup)
+            if settings.http_endpoint:
+                http = await _start_http(settings)
         except StartupError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -287,7 +295,16 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
         log.info("node agent stopped")
         return 0
     finally:
+        if http is not None:
+            await http.cleanup()
         await client.close()
+
+
+async def _start_http(settings: PluginSettings) -> web.AppRunner:
+    try:
+        return await start_http(settings.http_endpoint, metrics_path=settings.metrics_path)
+    except (EndpointError, OSError) as exc:
+        raise StartupError(f"cannot serve HTTP on HTTP_ENDPOINT {settings.http_endpoint!r}: {exc}") from None
 
 
 async def main(settings: PluginSettings) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME, GPU_C
 from imex.simulated import write_fake_driver_root
 from tests.cluster.plugin.conftest import Harness, eventually
 from tests.testbed.kubelet import PREPARED_ANNOTATION
+from tests.testbed.sim.pods import free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -191,3 +193,25 @@ async def test_node_without_imex_publishes_nothing_and_says_why(harness: Harness
     assert harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}") is None
     assert node.plugin.proc is not None and node.plugin.proc.poll() is None, "it keeps running, it does not crash-loop"
     assert "NO IMEX SUPPORT" in node.plugin.log()
+
+
+async def test_metrics_endpoint_serves_prepare_outcomes(harness: Harness) -> None:
+    port = free_port()
+    node = await harness.add_node(env={"HTTP_ENDPOINT": f"127.0.0.1:{port}", "METRICS_PATH": "/m"})
+    cd = harness.create_cd("metrics")
+    template = harness.channel_template(cd)
+    harness.set_clique(cd, node, "Ready")
+    harness.pod("worker", node, template)
+    await eventually(lambda: harness.phase("worker") == "Running", within=60, what="pod Running")
+
+    def get(path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return str(resp.read().decode())
+
+    body = await asyncio.to_thread(get, "/m")
+    (ok,) = [
+        line for line in body.splitlines() if line.startswith('computedomain_plugin_prepare_claims_total{outcome="ok"}')
+    ]
+    assert float(ok.split()[-1]) >= 1
+    assert "computedomain_plugin_prepare_seconds_bucket" in body
+    assert await asyncio.to_thread(get, "/healthz") == "ok\n"

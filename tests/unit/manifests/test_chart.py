@@ -135,6 +135,31 @@ def test_values_reach_the_env() -> None:
     }
 
 
+def test_node_agent_metrics_are_optional(default: Rendered) -> None:
+    agent = _agent(default)
+    assert not {"HTTP_ENDPOINT", "METRICS_PATH"} & set(env_of(agent, FIELDS))
+    assert [p["name"] for p in agent["ports"]] == ["healthcheck"]
+    assert load_settings(PluginSettings, environ=env_of(agent, FIELDS)).http_endpoint == ""
+
+    r = render("kubeletPlugin.metrics.enabled=true", "kubeletPlugin.metrics.port=9400")
+    agent = _agent(r)
+    env = env_of(agent, FIELDS)
+    # The kubelet expands $(POD_IP) from the env var defined before it.
+    names = [e["name"] for e in agent["env"]]
+    assert names.index("POD_IP") < names.index("HTTP_ENDPOINT")
+    assert env["HTTP_ENDPOINT"] == "$(POD_IP):9400"
+    env["HTTP_ENDPOINT"] = env["HTTP_ENDPOINT"].replace("$(POD_IP)", env["POD_IP"])
+    settings = load_settings(PluginSettings, environ=env)
+    assert (settings.http_endpoint, settings.metrics_path) == ("10.244.1.7:9400", "/metrics")
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in agent["ports"]
+    annotations = r.one("DaemonSet", component="kubelet-plugin")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "9400",
+        "prometheus.io/path": "/metrics",
+    }
+
+
 def test_host_managed(default: Rendered, host: Rendered) -> None:
     for c in (_controller(host), _agent(host)):
         env = env_of(c, FIELDS)
