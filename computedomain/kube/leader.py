@@ -11,7 +11,9 @@ What it owns: one Lease ``namespace/name`` and the decision "this process may wr
   ``on_stopped_leading`` runs and ``run()`` raises ``LeadershipLost``; the caller exits so the next term
   starts with clean memory.
 * **Release** (graceful shutdown, i.e. ``run()`` cancelled, or the work returned): clear
-  ``holderIdentity`` so a standby takes over on its next retry instead of waiting out the lease.
+  ``holderIdentity`` so a standby takes over at once instead of waiting out the lease. A standby watches
+  the Lease while it waits, so it tries again as soon as the holder is cleared (or the Lease deleted),
+  not only on its next ``retry_period`` tick.
 * Every write is a PUT carrying the resourceVersion that was read (or a create): a concurrent change by
   another candidate is a 409 ``Conflict`` and this round simply fails. No blind writes.
 
@@ -133,13 +135,47 @@ class LeaderElector:
                 await asyncio.shield(self._release())
 
     async def _acquire(self) -> None:
+        released = asyncio.Event()
+        watcher = asyncio.create_task(self._watch_for_release(released), name=f"leader-watch-{self.name}")
+        try:
+            while True:
+                released.clear()
+                try:
+                    if await self._try_acquire_or_renew():
+                        return
+                except KubeError as exc:
+                    log.info("leader election: acquire failed lease=%s/%s error=%r", self.namespace, self.name, exc)
+                await self._sleep_or(released, self.retry_period * (1.0 + 0.2 * self._rng.random()))
+        finally:
+            watcher.cancel()
+            await asyncio.wait({watcher})
+
+    async def _sleep_or(self, event: asyncio.Event, seconds: float) -> None:
+        sleeping = asyncio.ensure_future(self._clock.sleep(seconds))
+        woken = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait({sleeping, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for future in (sleeping, woken):
+                future.cancel()
+
+    async def _watch_for_release(self, released: asyncio.Event) -> None:
+        """Set `released` when the Lease loses its holder or disappears. Best effort: on any error the
+        periodic retry still acquires, so errors only pause the watch for a retry period."""
         while True:
             try:
-                if await self._try_acquire_or_renew():
-                    return
+                stream = self.client.watch(
+                    LEASES, namespace=self.namespace, field_selector=f"metadata.name={self.name}", timeout_seconds=300
+                )
+                async for event in stream:
+                    holder = (event.object.get("spec") or {}).get("holderIdentity")
+                    if event.type == "DELETED" or (event.type in ("ADDED", "MODIFIED") and not holder):
+                        released.set()
             except KubeError as exc:
-                log.info("leader election: acquire failed lease=%s/%s error=%r", self.namespace, self.name, exc)
-            await self._clock.sleep(self.retry_period * (1.0 + 0.2 * self._rng.random()))
+                log.debug(
+                    "leader election: lease watch interrupted lease=%s/%s error=%r", self.namespace, self.name, exc
+                )
+                await self._clock.sleep(self.retry_period)
 
     async def _renew_until_lost(self, work: asyncio.Task[None] | None) -> None:
         last_renew = self._clock.now()

@@ -12,6 +12,7 @@ from computedomain.kube.client import LEASES, KubeClient
 from computedomain.kube.leader import LeaderElector
 
 pytestmark = pytest.mark.cluster
+RETRY = 12.0
 
 
 class Log:
@@ -20,14 +21,14 @@ class Log:
         self.stopped: list[str] = []
         self.changed = asyncio.Event()
 
-    async def until(self, leading: list[str]) -> None:
-        async with asyncio.timeout(5):
+    async def until(self, leading: list[str], within: float = 5.0) -> None:
+        async with asyncio.timeout(within):
             while self.leading != leading:
                 self.changed.clear()
                 await self.changed.wait()
 
 
-def elector(kube: KubeClient, namespace: str, who: str, log: Log) -> LeaderElector:
+def elector(kube: KubeClient, namespace: str, who: str, log: Log, retry_period: float = 0.5) -> LeaderElector:
     async def work() -> None:
         log.leading.append(who)
         log.changed.set()
@@ -38,9 +39,9 @@ def elector(kube: KubeClient, namespace: str, who: str, log: Log) -> LeaderElect
         namespace=namespace,
         name="controller",
         identity=f"{who}-id",
-        lease_duration=15.0,
-        renew_deadline=10.0,
-        retry_period=0.5,
+        lease_duration=max(15.0, 3 * retry_period),
+        renew_deadline=max(10.0, 2 * retry_period),
+        retry_period=retry_period,
         on_started_leading=work,
         on_stopped_leading=lambda: log.stopped.append(who),
     )
@@ -48,8 +49,9 @@ def elector(kube: KubeClient, namespace: str, who: str, log: Log) -> LeaderElect
 
 async def test_exactly_one_leads_and_release_hands_over_promptly(kube: KubeClient, namespace: str) -> None:
     log = Log()
-    a = elector(kube, namespace, "a", log)
-    b = elector(kube, namespace, "b", log)
+    # A long retry period: the standby can only take over before its next retry by watching the Lease.
+    a = elector(kube, namespace, "a", log, retry_period=RETRY)
+    b = elector(kube, namespace, "b", log, retry_period=RETRY)
     ta = asyncio.create_task(a.run())
     await log.until(["a"])
     tb = asyncio.create_task(b.run())
@@ -66,21 +68,23 @@ async def test_exactly_one_leads_and_release_hands_over_promptly(kube: KubeClien
 async def _handover(
     kube: KubeClient, namespace: str, log: Log, a: LeaderElector, b: LeaderElector, ta: asyncio.Task[None]
 ) -> None:
-    await asyncio.sleep(2.0)  # several retry periods: b keeps trying and must keep failing
+    await asyncio.sleep(1.0)  # b has tried once and must have failed
     assert log.leading == ["a"]
     assert a.is_leader and not b.is_leader
     assert b.holder == "a-id"
     lease = await kube.get(LEASES, "controller", namespace=namespace)
     assert lease["spec"]["holderIdentity"] == "a-id"
-    assert lease["spec"]["leaseDurationSeconds"] == 15
+    assert lease["spec"]["leaseDurationSeconds"] == 3 * RETRY
 
     start = time.monotonic()
     ta.cancel()  # graceful shutdown: release
     await asyncio.wait({ta})
     assert log.stopped == ["a"]
-    await log.until(["a", "b"])
+    await log.until(["a", "b"], within=RETRY)
     handover = time.monotonic() - start
-    assert handover < 2.0, f"standby took {handover:.2f}s after a graceful release"
+    # Not a performance bound (bench-controller measures that): anything before the next retry tick proves
+    # the standby reacted to the release itself rather than polling or waiting for the lease to expire.
+    assert handover < RETRY, f"standby took {handover:.2f}s after a graceful release"
     lease = await kube.get(LEASES, "controller", namespace=namespace)
     assert lease["spec"]["holderIdentity"] == "b-id"
     assert lease["spec"]["leaseTransitions"] == 1
