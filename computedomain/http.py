@@ -6,9 +6,8 @@ process-wide prometheus-client registry, rendered at scrape time; `/healthz` ans
 does; `/readyz` is served only when the caller passes a readiness function (`(ready, details)`: 200 or 503
 with the details as JSON).
 
-Note for the controller's owner: `computedomain.controller.app` still has its own copy of this
-(`start_http`, `_parse_endpoint`); it was being changed when this module was written, so it was left alone.
-Switching it over is `start_http(endpoint, metrics_path=..., readiness=lambda: (controller.ready, {...}))`.
+Used by the controller (with `/readyz`: ready once caches synced, with the leadership state) and the node
+agent.
 """
 
 from __future__ import annotations
@@ -21,21 +20,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from computedomain.settings import EndpointError, parse_endpoint
+
+__all__ = ["EndpointError", "bound_port", "parse_endpoint", "start_http"]
+
 log = logging.getLogger(__name__)
 
 Readiness = Callable[[], tuple[bool, Mapping[str, Any]]]
-
-
-class EndpointError(ValueError):
-    """An `HTTP_ENDPOINT` that is not `host:port`; the message says which and why."""
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """`host:port` -> (host, port); empty host -> "0.0.0.0"."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise EndpointError(f"HTTP_ENDPOINT {endpoint!r} must look like host:port, :port or [v6]:port")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
 
 
 async def start_http(

@@ -138,6 +138,18 @@ def validate_host_socket_path(path: str) -> str:
     return path
 
 
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """`HTTP_ENDPOINT` (`host:port`, `:port`, `[v6]:port`) -> (host, port); empty host -> "0.0.0.0"."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise EndpointError(f"HTTP_ENDPOINT {endpoint!r} must look like host:port, :port or [v6]:port")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+class EndpointError(SettingsError):
+    """An `HTTP_ENDPOINT` that is not `host:port`."""
+
+
 # --- Settings objects ----------------------------------------------------------------------------------
 
 
@@ -253,6 +265,8 @@ class ControllerSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.http_endpoint:
+            parse_endpoint(self.http_endpoint)
         if self.max_nodes_per_imex_domain < 1:
             raise SettingsError("MAX_NODES_PER_IMEX_DOMAIN must be at least 1 (GB200/GB300 NVL72: 18)")
         if self.leader_election_enabled and not (
@@ -306,6 +320,8 @@ class PluginSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.http_endpoint:
+            parse_endpoint(self.http_endpoint)
         if not self.node_name:
             raise SettingsError("NODE_NAME is required (set it from the downward API: spec.nodeName)")
         for env, value in (("CDI_ROOT", self.cdi_root), ("NVIDIA_DRIVER_ROOT", self.driver_root)):
@@ -397,6 +413,7 @@ __all__ = [
     "GATES",
     "CommonSettings",
     "ControllerSettings",
+    "EndpointError",
     "FeatureGate",
     "FeatureGates",
     "ImexIsolation",
@@ -405,6 +422,7 @@ __all__ = [
     "SettingsError",
     "describe",
     "load_settings",
+    "parse_endpoint",
     "setting",
     "validate_host_socket_path",
 ]

@@ -30,13 +30,14 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from computedomain.controller import guard
 from computedomain.controller.caches import Caches
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
+from computedomain.http import start_http
 from computedomain.kube.client import ClientConfig, KubeClient
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
@@ -222,39 +223,6 @@ class Controller:
             self.leading = False
 
 
-# --- HTTP ----------------------------------------------------------------------------------------------
-
-
-def _parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
-
-
-async def start_http(controller: Controller, endpoint: str, metrics_path: str) -> web.AppRunner:
-    async def metrics(_: web.Request) -> web.Response:
-        body = generate_latest(REGISTRY)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def healthz(_: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
-
-    async def readyz(_: web.Request) -> web.Response:
-        state = {"ready": controller.ready, "leading": controller.leading, "identity": controller.identity}
-        return web.json_response(state, status=200 if controller.ready else 503)
-
-    app = web.Application()
-    if metrics_path:
-        app.router.add_get(metrics_path, metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    host, port = _parse_endpoint(endpoint)
-    await web.TCPSite(runner, host, port).start()
-    log.info("http serving endpoint=%s:%d metrics=%s", host, port, metrics_path or "(off)")
-    return runner
-
-
 async def main(settings: ControllerSettings, *, cd_namespace: str | None = None) -> int:
     """Run the controller until SIGTERM/SIGINT; the exit code says how it ended."""
     loop = asyncio.get_running_loop()
@@ -284,7 +252,14 @@ async def main(settings: ControllerSettings, *, cd_namespace: str | None = None)
     runner: web.AppRunner | None = None
     try:
         if settings.http_endpoint:
-            runner = await start_http(controller, settings.http_endpoint, settings.metrics_path)
+            runner = await start_http(
+                settings.http_endpoint,
+                metrics_path=settings.metrics_path,
+                readiness=lambda: (
+                    controller.ready,
+                    {"ready": controller.ready, "leading": controller.leading, "identity": controller.identity},
+                ),
+            )
         await controller.run()
         return EXIT_OK
     except asyncio.CancelledError:

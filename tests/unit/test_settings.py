@@ -120,6 +120,8 @@ def test_flags_override_env() -> None:
             "lease duration > renew deadline > retry period",
         ),
         (ControllerSettings, {"LOG_LEVEL": "chatty"}, "LOG_LEVEL 'chatty'"),
+        (ControllerSettings, {"HTTP_ENDPOINT": "8080"}, "HTTP_ENDPOINT '8080' must look like host:port"),
+        (PluginSettings, {**NODE, "HTTP_ENDPOINT": ":http"}, "HTTP_ENDPOINT ':http' must look like host:port"),
     ],
 )
 def test_process_specific_rules(

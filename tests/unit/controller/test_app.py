@@ -1,4 +1,4 @@
-"""Process helpers: the HTTP endpoint syntax, the SIGUSR2 task dump, CDs-by-status metrics."""
+"""Process helpers: the SIGUSR2 task dump, CDs-by-status metrics."""
 
 from __future__ import annotations
 
@@ -7,14 +7,8 @@ import io
 from types import SimpleNamespace
 from typing import Any
 
-from computedomain.controller.app import _DomainStatusCollector, _parse_endpoint, dump_tasks
+from computedomain.controller.app import _DomainStatusCollector, dump_tasks
 from tests.unit.controller.helpers import compute_domain
-
-
-def test_parse_endpoint() -> None:
-    assert _parse_endpoint(":8080") == ("0.0.0.0", 8080)
-    assert _parse_endpoint("127.0.0.1:9000") == ("127.0.0.1", 9000)
-    assert _parse_endpoint("[::1]:9000") == ("::1", 9000)
 
 
 async def test_dump_tasks_names_every_task() -> None:
