@@ -4,9 +4,13 @@
    domain, against the bare API-write floor measured in the same run: the same four writes per domain
    (finalizer patch, daemon template, DaemonSet, workload template) issued directly, all domains at once.
 2. **Ready latency**: the last clique entry turns Ready -> the CD's status says Ready (``BENCH_READY`` samples).
-3. **Scale**: ``BENCH_SCALE`` (1,000) domains: controller RSS with them cached, CPU over
+3. **Scale**: ``BENCH_SCALE`` (1,000) domains on ``BENCH_NODES`` (2,000) GB200 Node objects: controller RSS
+   with them cached, CPU over
    ``BENCH_IDLE`` seconds of idleness (no polling: ~0), and API requests per domain lifecycle
-   (create -> Ready -> delete -> gone), by verb, from the controller's own metrics.
+   (create -> Ready -> delete -> gone), by verb, from the controller's own metrics. The nodes carry GB200
+   labels but no kwok annotation: 2,000 kwok-heartbeated nodes would mean ~200 lease writes a second, which
+   would measure this 2-core machine rather than the controller (whose node cache only holds nodes that
+   carry a ComputeDomain label anyway).
 
 The controller runs as a subprocess (``tests.cluster.controller.proc``) with the admin kubeconfig, handling only
 the benchmark's namespace; both it and the floor use the same client limits (``BENCH_QPS``).
@@ -39,6 +43,7 @@ from computedomain.kube.client import (
     COMPUTE_DOMAINS,
     DAEMONSETS,
     NAMESPACES,
+    NODES,
     RESOURCE_CLAIM_TEMPLATES,
     ClientConfig,
     KubeClient,
@@ -47,7 +52,8 @@ from computedomain.kube.client import (
 from computedomain.kube.errors import NotFound
 from computedomain.kube.informer import Informer
 from computedomain.settings import ControllerSettings, load_settings
-from tests.testbed.cluster import DEFAULT_ROOT
+from tests.testbed.cluster import DEFAULT_ROOT, KWOK_NODE_ANNOTATION
+from tests.testbed.nodes import gb200_node
 
 REPO = Path(__file__).resolve().parents[2]
 KUBECONFIG = DEFAULT_ROOT / "kubeconfig"
@@ -55,6 +61,7 @@ BURST = int(os.environ.get("BENCH_BURST", "100"))
 READY_SAMPLES = int(os.environ.get("BENCH_READY", "30"))
 SCALE = int(os.environ.get("BENCH_SCALE", "1000"))
 IDLE = float(os.environ.get("BENCH_IDLE", "10"))
+NODE_COUNT = int(os.environ.get("BENCH_NODES", "2000"))
 QPS = os.environ.get("BENCH_QPS", "1000")
 
 
@@ -313,7 +320,29 @@ async def _none_left(client: KubeClient, ns: str, prefix: str) -> bool:
     return not any(o["metadata"]["name"].startswith(prefix) for o in items)
 
 
+def bench_node(name: str, clique: str) -> dict[str, Any]:
+    node = gb200_node(name, clique=clique)
+    node["metadata"]["annotations"].pop(KWOK_NODE_ANNOTATION)
+    node["metadata"]["labels"].pop("type")
+    node["metadata"]["labels"]["computedomain-bench"] = "true"
+    return node
+
+
 async def scale(client: KubeClient, ctl: ControllerProcess, cd_ns: str) -> dict[str, Any]:
+    rack = uuid.uuid4()
+    await gather_limited(
+        [client.create(NODES, bench_node(f"bench-gb-{i:04d}", f"{rack}.{i // 18}")) for i in range(NODE_COUNT)]
+    )
+    try:
+        return await _scale(client, ctl, cd_ns)
+    finally:
+        names = [
+            n["metadata"]["name"] for n in (await client.list_all(NODES, label_selector="computedomain-bench")).items
+        ]
+        await gather_limited([client.delete(NODES, n) for n in names])
+
+
+async def _scale(client: KubeClient, ctl: ControllerProcess, cd_ns: str) -> dict[str, Any]:
     before = ctl.requests()
     names = [f"scale-{i}" for i in range(SCALE)]
     await gather_limited([client.create(COMPUTE_DOMAINS, cd_body(n, cd_ns)) for n in names])
@@ -377,7 +406,10 @@ async def main() -> None:
         ready = await ready_latency(client, driver_ns, cd_ns)
         print(summary("last clique entry Ready -> CD Ready", ready) + "   (target: p99 < 500 ms)")
         result = await scale(client, ctl, cd_ns)
-        print(f"scale: {SCALE} CDs cached: controller RSS {result['rss_mb']:.0f} MB (target < 200 MB at 1,000)")
+        print(
+            f"scale: {SCALE} CDs cached, {NODE_COUNT} nodes: controller RSS {result['rss_mb']:.0f} MB "
+            "(target < 200 MB at 1,000 CDs on 2,000 nodes)"
+        )
         print(
             f"scale: idle CPU over {IDLE:.0f}s: {result['idle_cpu'] * 100:.2f}% of one core, "
             f"{result['idle_requests']} API requests (target ~0: no polling)"
