@@ -186,13 +186,3 @@ def harness(cluster: Cluster, namespace: str) -> Iterator[Harness]:
 
 
 Waiter = Callable[..., Awaitable[Any]]
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Long soak runs (``slow``) only when asked for: ``pytest -m slow`` (``make test`` would take too long)."""
-    if "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
