@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from computedomain.logs import configure_logging
 from computedomain.settings import (
     CommonSettings,
     ControllerSettings,
@@ -78,17 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "controller":
             controller_settings = load_settings(ControllerSettings, rest)
             # Imported here: check-settings must not need the Kubernetes client stack.
-            from computedomain.controller.app import configure_logging
             from computedomain.controller.app import main as run_controller
 
             configure_logging(controller_settings)
             return asyncio.run(run_controller(controller_settings))
         if command == "kubelet-plugin":
             plugin_settings = load_settings(PluginSettings, rest)
-            from computedomain.plugin.app import configure_logging as configure_plugin_logging
             from computedomain.plugin.app import main as run_plugin
 
-            configure_plugin_logging(plugin_settings)
+            configure_logging(plugin_settings)
             return asyncio.run(run_plugin(plugin_settings))
         if command == "status":
             return _status(rest)

@@ -12,15 +12,8 @@ COMPUTE_DOMAIN_UUID, ...) or from flags named after them (``--pod-ip``); ``daemo
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
-
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=_LOG_FORMAT, stream=sys.stderr)
 
 
 def _daemon(command: str, rest: list[str]) -> int:
@@ -43,7 +36,9 @@ def _daemon(command: str, rest: list[str]) -> int:
 
         return report(asyncio.run(check(settings)))
     if command == "run":
-        _setup_logging(settings.log_level)
+        from computedomain.logs import configure_logging
+
+        configure_logging(settings)
         from imex.daemon.run import run_daemon
 
         return asyncio.run(run_daemon(settings))

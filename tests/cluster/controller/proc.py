@@ -10,7 +10,8 @@ import asyncio
 import os
 import sys
 
-from computedomain.controller.app import configure_logging, main
+from computedomain.controller.app import main
+from computedomain.logs import configure_logging
 from computedomain.settings import ControllerSettings, SettingsError, load_settings
 
 

@@ -252,7 +252,7 @@ def test_uninstall_tears_domains_down_before_the_controller(
         # (the cluster is shared); its RBAC is the chart's.
         script = (
             "import asyncio, sys\n"
-            "from computedomain.controller.app import configure_logging, main\n"
+            "from computedomain.controller.app import main\nfrom computedomain.logs import configure_logging\n"
             "from computedomain.settings import ControllerSettings, load_settings\n"
             "s = load_settings(ControllerSettings)\nconfigure_logging(s)\n"
             "sys.exit(asyncio.run(main(s, cd_namespace=sys.argv[1])))\n"

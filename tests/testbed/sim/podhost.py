@@ -177,7 +177,8 @@ def _one(argv: list[str]) -> int:
     if program[:3] != ("-m", "computedomain", "controller"):
         print(f"podhost --one runs controllers only, not {' '.join(argv)}", file=sys.stderr)
         return 127
-    from computedomain.controller.app import configure_logging, main
+    from computedomain.controller.app import main
+    from computedomain.logs import configure_logging
     from computedomain.settings import ControllerSettings, SettingsError, load_settings
 
     try:
