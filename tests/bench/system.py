@@ -109,7 +109,9 @@ async def main() -> None:
         racks=RACKS,
         trays_per_rack=18,
         non_fabric=0,
-        hosting=Hosting(plugins_per_host=18, daemons_per_host=18, fast_imex_ctl=True),
+        hosting=Hosting(
+            plugins_per_host=18, daemons_per_host=18, fast_imex_ctl=True, imex_heartbeat_s=2.0, imex_heartbeat_misses=10
+        ),
         restart_backoff_s=2.0,
         log_level="warning",
     )

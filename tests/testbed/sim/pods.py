@@ -96,6 +96,11 @@ class Hosting:
     # Daemon probes (`nvidia-imex-ctl -c <cfg> -q`) through a bash client of the simulator's command service
     # instead of the simulator's Python ctl (~0.1 s of CPU per exec; 72 daemons probe every second at start).
     fast_imex_ctl: bool = False
+    # Heartbeat interval and misses of the simulated IMEX peers. The defaults (0.5 s x 3) detect a dead peer
+    # quickly in small tests; a 72-node domain on 2 cores needs more slack, or peers of a busy process look
+    # dead and links churn.
+    imex_heartbeat_s: float = 0.5
+    imex_heartbeat_misses: int = 3
 
 
 def free_port() -> int:
@@ -217,6 +222,8 @@ class PodWorker:
             "IMEX_SIM_HOSTS_FILE": str(hosts),
             "IMEX_SIM_NODE_IP": self.pod_ip,
             "IMEX_SIM_FAULT_FILE": str(self.dir / "imex-faults"),
+            "IMEX_SIM_HEARTBEAT_INTERVAL": str(self.runner.hosting.imex_heartbeat_s),
+            "IMEX_SIM_HEARTBEAT_MISSES": str(self.runner.hosting.imex_heartbeat_misses),
             "PYTHONPATH": str(REPO),
         }
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sim_env.items())
