@@ -98,8 +98,10 @@ class SimCluster:
     def __init__(self, local: LocalCluster, config: SimConfig | None = None) -> None:
         self.local = local
         self.config = config or SimConfig()
-        self.id = uuid.uuid4().hex[:6]
-        prefix = self.config.prefix if self.config.prefix is not None else f"s{self.id[:4]}-"
+        # Starts with a letter: the id is also a label value passed with `helm --set`, where an all-digit
+        # or "1e5..." id would turn into a number and fail the install.
+        self.id = "c" + uuid.uuid4().hex[:5]
+        prefix = self.config.prefix if self.config.prefix is not None else f"s{self.id[1:5]}-"
         self.root = Path(tempfile.mkdtemp(prefix="cds", dir="/tmp"))
         self.topology: SimTopology = build_topology(
             self.root,
