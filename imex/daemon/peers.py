@@ -36,6 +36,7 @@ from computedomain.kube.errors import KubeError
 from computedomain.kube.informer import Informer
 from imex.config import render_nodes_cfg_ips
 from imex.daemon.files import write_file_atomically
+from imex.daemon.loop import run_on_changes
 from imex.daemon.process import ImexProcess
 from imex.daemon.registration import DaemonEntry, RegistrationError, Registry
 from imex.hosts_file import HostEntry, HostsFileError, slot_entries, update_hosts_file
@@ -208,20 +209,15 @@ class PeerSync:
 
     async def _loop(self) -> None:
         await self.informer.has_synced()
-        failures = 0
-        self._changed.set()
-        while True:
-            await self._changed.wait()
-            self._changed.clear()
-            try:
-                await self.sync_once()
-                failures = 0
-            except (KubeError, RegistrationError, HostsFileError, OSError) as exc:
-                failures += 1
-                delay = min(30.0, 0.5 * 2 ** min(failures - 1, 6))
-                log.warning("peer sync failed failures=%d retry_in=%.1fs error=%s", failures, delay, exc)
-                await self._clock.sleep(delay)
-                self._changed.set()
+        await run_on_changes(
+            self._changed,
+            self.sync_once,
+            retry_on=(KubeError, RegistrationError, HostsFileError, OSError),
+            clock=self._clock,
+            first_delay=0.5,
+            max_delay=30.0,
+            what="peer sync",
+        )
 
     async def sync_once(self) -> Decision:
         self.passes += 1

@@ -27,6 +27,7 @@ from computedomain.kube.client import PODS, KubeClient, Raw
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import KubeError
 from computedomain.kube.informer import Informer
+from imex.daemon.loop import run_on_changes
 from imex.daemon.registration import RegistrationError, Registry
 
 __all__ = ["ReadinessMirror", "pod_status"]
@@ -87,20 +88,15 @@ class ReadinessMirror:
 
     async def _loop(self) -> None:
         await self.informer.has_synced()
-        failures = 0
-        self._changed.set()
-        while True:
-            await self._changed.wait()
-            self._changed.clear()
-            try:
-                await self.mirror_once()
-                failures = 0
-            except (KubeError, RegistrationError) as exc:
-                failures += 1
-                delay = min(10.0, 0.2 * 2 ** min(failures - 1, 6))
-                log.warning("readiness write failed failures=%d retry_in=%.1fs error=%s", failures, delay, exc)
-                await self._clock.sleep(delay)
-                self._changed.set()
+        await run_on_changes(
+            self._changed,
+            self.mirror_once,
+            retry_on=(KubeError, RegistrationError),
+            clock=self._clock,
+            first_delay=0.2,
+            max_delay=10.0,
+            what="readiness write",
+        )
 
     async def mirror_once(self) -> ReadyStatus | None:
         status = pod_status(self.informer.get(self.pod_name, self.namespace), self.pod_uid)
