@@ -10,7 +10,7 @@ This module owns
   after pod-IP reuse a daemon of one domain talked to a daemon of another (#1447); the UID makes the
   names unique by construction, and 22 + 32 + 5 characters stay within a 63-character DNS label;
 - a strict parser of the ``KEY=VALUE`` format and a typed view of the keys the simulator needs, so
-  ``imex.simulator`` reads exactly the files we render.
+  ``tests.testbed.imex_simulator`` reads exactly the files we render.
 
 Pure functions only; writing the files is the daemon's job.
 """

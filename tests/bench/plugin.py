@@ -42,7 +42,7 @@ from computedomain.plugin.checkpoint import expire_tombstones
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
 from imex.host_check import check_host_imex_ready
-from imex.simulator.wrappers import install_wrappers, package_root
+from tests.testbed.imex_simulator.wrappers import install_wrappers, package_root
 from tests.testbed.kubelet_client import KubeletClient
 from tests.unit.plugin.fakes import Bed
 

@@ -35,8 +35,8 @@ from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
 from computedomain.settings import load_settings
 from imex.daemon.check import check
 from imex.daemon.settings import DaemonSettings
-from imex.simulator.ctl import query_status
 from tests.conftest import REPO, Cluster
+from tests.testbed.imex_simulator.ctl import query_status
 from tests.testbed.nodes import gb200_node
 
 GUARD_S = 120.0
@@ -174,7 +174,7 @@ class Domain:
         bin_dir = root / "bin"
         bin_dir.mkdir(parents=True, exist_ok=True)
         if imex == "simulator":
-            from imex.simulator.wrappers import install_wrappers
+            from tests.testbed.imex_simulator.wrappers import install_wrappers
 
             wrappers = install_wrappers(bin_dir)
             imex_bin, ctl_bin = str(wrappers["nvidia-imex"]), str(wrappers["nvidia-imex-ctl"])

@@ -11,8 +11,8 @@ import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
 from imex.simulated import write_fake_driver_root
-from imex.simulator.wrappers import install_wrappers
 from tests.cluster.plugin.conftest import Harness, eventually
+from tests.testbed.imex_simulator.wrappers import install_wrappers
 from tests.unit.imex.conftest import chroot_driver_root  # noqa: F401 (fixture)
 from tests.unit.imex.test_host_check import start_host_daemon
 

@@ -89,7 +89,7 @@ class HostImex:
         ctl.parent.mkdir(parents=True, exist_ok=True)
         ctl.write_text(
             "#!/bin/sh\n# The host's nvidia-imex-ctl: the IMEX simulator's (tests/testbed/sim/hostimex.py)\n"
-            f'PYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m imex.simulator.ctl "$@"\n'
+            f'PYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m tests.testbed.imex_simulator.ctl "$@"\n'
         )
         ctl.chmod(0o755)
         conf = node.host_path(IMEX_DIR)
@@ -117,7 +117,7 @@ class HostImex:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with (self.log_dir / f"host-imex_{node.name}.log").open("ab") as log:
             self.procs[node.name] = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "imex.simulator.imexd", "-c", str(node.host_path(IMEX_DIR) / "config.cfg"),
+                sys.executable, "-m", "tests.testbed.imex_simulator.imexd", "-c", str(node.host_path(IMEX_DIR) / "config.cfg"),
                 env=env, stdout=log, stderr=asyncio.subprocess.STDOUT, cwd=REPO, start_new_session=True,
             )  # fmt: skip
 

@@ -71,7 +71,7 @@ log = logging.getLogger("sim.pods")
 FINALIZER: Final = "sim.testbed.computedomain/container-runtime"
 CDI_ANNOTATION: Final = "testbed.computedomain/cdi-devices"
 MAX_BACKOFF_S: Final = 300.0
-# `-c <cfg> -q` in bash: one line to the command service (imex.simulator.wire), print the "state" it answers
+# `-c <cfg> -q` in bash: one line to the command service (tests.testbed.imex_simulator.wire), print the "state" it answers
 # (the first key of the status document), UNAVAILABLE + exit 1 when unreachable. Anything else: the real ctl.
 FAST_CTL: Final = r"""#!/bin/bash
 [ "$#" -eq 3 ] && [ "$1" = "-c" ] && [ "$3" = "-q" ] || exec @CTL@ "$@"
@@ -229,8 +229,8 @@ class PodWorker:
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sim_env.items())
         out = {}
         for name, module, setting in (
-            ("nvidia-imex", "imex.simulator.imexd", "IMEX_BINARY"),
-            ("nvidia-imex-ctl", "imex.simulator.ctl", "IMEX_CTL_BINARY"),
+            ("nvidia-imex", "tests.testbed.imex_simulator.imexd", "IMEX_BINARY"),
+            ("nvidia-imex-ctl", "tests.testbed.imex_simulator.ctl", "IMEX_CTL_BINARY"),
         ):
             path = bin_dir / name
             path.write_text(

@@ -20,8 +20,8 @@ import pytest
 
 from imex.config import hostname_prefix, render_imexd_cfg, render_nodes_cfg_dns, slot_hostname
 from imex.hosts_file import SENTINEL_ADDRESS, HostEntry, update_hosts_file
-from imex.simulator.ctl import query_status
-from imex.simulator.wrappers import install_wrappers, package_root
+from tests.testbed.imex_simulator.ctl import query_status
+from tests.testbed.imex_simulator.wrappers import install_wrappers, package_root
 
 # Generous: only a guard against hangs on a loaded machine, never a measured expectation.
 WAIT_S = 40.0

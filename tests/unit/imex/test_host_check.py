@@ -23,7 +23,7 @@ from imex.host_check import (
     run_command,
     validate_socket_path,
 )
-from imex.simulator.wrappers import install_wrappers
+from tests.testbed.imex_simulator.wrappers import install_wrappers
 from tests.unit.imex.conftest import wait_until
 
 SOCKET = "/etc/nvidia-imex/imex_ctrl.sock"
@@ -225,7 +225,7 @@ def start_host_daemon(root: Path, tmp_path: Path, *, peers: list[str]) -> subpro
     )
     log = (tmp_path / "host-imex.log").open("ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "imex.simulator.imexd", "-c", str(cfg)],
+        [sys.executable, "-m", "tests.testbed.imex_simulator.imexd", "-c", str(cfg)],
         stdout=log,
         stderr=log,
         env={**os.environ, "IMEX_SIM_HOSTS_FILE": "/dev/null"},

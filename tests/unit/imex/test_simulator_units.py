@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from imex.host_check import ImexState
-from imex.simulator.daemon import ReResolveLimiter, Settings
-from imex.simulator.faults import Faults, FaultSpecError, read_faults
+from tests.testbed.imex_simulator.daemon import ReResolveLimiter, Settings
+from tests.testbed.imex_simulator.faults import Faults, FaultSpecError, read_faults
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""``python -m imex.simulator.imexd -c <cfg>``: the simulated ``nvidia-imex`` (see ``imex.simulator``).
+"""``python -m tests.testbed.imex_simulator.imexd -c <cfg>``: the simulated ``nvidia-imex`` (see ``tests.testbed.imex_simulator``).
 
 Runs in the foreground whatever DAEMONIZE says (our daemon pods need that anyway), logs to stderr, and
 exits 0 after a graceful SIGTERM, 1 when it cannot start (unreadable config, no own address, port taken).
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from imex.config import ImexConfig, ImexConfigError
-from imex.simulator.daemon import Settings, SimulatedImexDaemon
+from tests.testbed.imex_simulator.daemon import Settings, SimulatedImexDaemon
 
 DEFAULT_CONFIG = "/etc/nvidia-imex/config.cfg"
 

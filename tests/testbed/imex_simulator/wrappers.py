@@ -11,14 +11,15 @@ import shlex
 import sys
 from pathlib import Path
 
-import imex
-
-SCRIPTS = {"nvidia-imex": "imex.simulator.imexd", "nvidia-imex-ctl": "imex.simulator.ctl"}
+SCRIPTS = {
+    "nvidia-imex": "tests.testbed.imex_simulator.imexd",
+    "nvidia-imex-ctl": "tests.testbed.imex_simulator.ctl",
+}
 
 
 def package_root() -> Path:
-    """The directory that contains the ``imex`` package."""
-    return Path(imex.__file__).resolve().parent.parent
+    """The repository root: it holds both the ``imex`` package and the ``tests`` package of the simulator."""
+    return Path(__file__).resolve().parents[3]
 
 
 def install_wrappers(
@@ -32,7 +33,7 @@ def install_wrappers(
         path = directory / name
         path.write_text(
             "#!/bin/sh\n"
-            f"# Simulated {name}, written by imex.simulator.wrappers.\n"
+            f"# Simulated {name}, written by tests.testbed.imex_simulator.wrappers.\n"
             f'PYTHONPATH={shlex.quote(str(root))} exec {shlex.quote(python)} -m {module} "$@"\n',
             encoding="utf-8",
         )

@@ -1,7 +1,7 @@
 """The IMEX simulator: stand-ins for ``nvidia-imex`` and ``nvidia-imex-ctl`` on machines without MNNVL.
 
-Entry points: ``python -m imex.simulator.imexd -c <cfg>`` and ``python -m imex.simulator.ctl``, and the
-wrapper scripts ``bin/nvidia-imex`` / ``bin/nvidia-imex-ctl`` (``imex.simulator.wrappers`` writes copies
+Entry points: ``python -m tests.testbed.imex_simulator.imexd -c <cfg>`` and ``python -m tests.testbed.imex_simulator.ctl``, and the
+wrapper scripts ``bin/nvidia-imex`` / ``bin/nvidia-imex-ctl`` (``tests.testbed.imex_simulator.wrappers`` writes copies
 with absolute paths for PATH or a fake driver root). Both read the real config keys (``imex.config``).
 
 What it shares with the real daemon: the config files and keys, name resolution of ``nodes.cfg`` through

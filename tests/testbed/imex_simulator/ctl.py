@@ -1,4 +1,4 @@
-"""``python -m imex.simulator.ctl``: the simulated ``nvidia-imex-ctl`` (see ``imex.simulator``).
+"""``python -m tests.testbed.imex_simulator.ctl``: the simulated ``nvidia-imex-ctl`` (see ``tests.testbed.imex_simulator``).
 
 Connection: ``-u <socket>`` (also spelt ``--u=<socket>``, the form upstream documents), ``-i <ip> <port>``,
 or ``-c <config>`` (command-service IP:port from the config, else its unix socket; default config
@@ -20,7 +20,7 @@ from typing import Any
 
 from imex.config import ImexConfig, ImexConfigError
 from imex.host_check import ImexState
-from imex.simulator import wire
+from tests.testbed.imex_simulator import wire
 
 DEFAULT_CONFIG = "/etc/nvidia-imex/config.cfg"
 

@@ -30,10 +30,10 @@ from typing import Any
 from imex.config import ImexConfig, parse_nodes_cfg
 from imex.host_check import ImexState
 from imex.hosts_file import SENTINEL_ADDRESS, parse_hosts
-from imex.simulator import wire
-from imex.simulator.faults import Faults, FaultSpecError, read_faults
+from tests.testbed.imex_simulator import wire
+from tests.testbed.imex_simulator.faults import Faults, FaultSpecError, read_faults
 
-log = logging.getLogger("imex.simulator")
+log = logging.getLogger("tests.testbed.imex_simulator")
 
 Clock = Callable[[], float]
 
