@@ -301,8 +301,19 @@ class PluginSettings(CommonSettings):
         "KUBELET_PLUGINS_DIRECTORY_PATH", "kubelet plugins dir", default="/var/lib/kubelet/plugins"
     )
     cdi_root: str = setting("CDI_ROOT", "where CDI specs are written", default="/var/run/cdi")
-    driver_root: str = setting("NVIDIA_DRIVER_ROOT", "root of the NVIDIA driver installation", default="/")
-    proc_root: str = setting("PROC_ROOT", "where /proc of the host is visible", default="/proc")
+    driver_root: str = setting(
+        "NVIDIA_DRIVER_ROOT",
+        "the NVIDIA driver root as the host has it (/: host-installed; /run/nvidia/driver: GPU Operator)",
+        default="/",
+    )
+    container_driver_root: str = setting(
+        "CONTAINER_DRIVER_ROOT",
+        "where this process sees NVIDIA_DRIVER_ROOT (the chart mounts it at /driver-root); empty: at that path",
+        default="",
+    )
+    proc_root: str = setting(
+        "PROC_ROOT", "where the host's /proc (the driver's devices, params, capabilities) is visible", default="/proc"
+    )
     health_port: int = setting("HEALTHCHECK_PORT", "gRPC health port (negative disables)", default=HEALTH_PORT)
     pod_ip: str = setting(
         "POD_IP", "this pod's IP (downward API status.podIP): the health server binds it; empty: all", default=""
@@ -312,11 +323,6 @@ class PluginSettings(CommonSettings):
     )
     http_endpoint: str = setting("HTTP_ENDPOINT", "host:port for /metrics, /healthz; empty: no server", default="")
     metrics_path: str = setting("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
-    simulated_topology: str = setting(
-        "SIMULATED_TOPOLOGY",
-        "test bed only: read the NVLink fabric from this topology file instead of NVML (no GB200 here)",
-        default="",
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -324,7 +330,12 @@ class PluginSettings(CommonSettings):
             parse_endpoint(self.http_endpoint)
         if not self.node_name:
             raise SettingsError("NODE_NAME is required (set it from the downward API: spec.nodeName)")
-        for env, value in (("CDI_ROOT", self.cdi_root), ("NVIDIA_DRIVER_ROOT", self.driver_root)):
+        for env, value in (
+            ("CDI_ROOT", self.cdi_root),
+            ("NVIDIA_DRIVER_ROOT", self.driver_root),
+            ("CONTAINER_DRIVER_ROOT", self.container_driver_root or "/"),
+            ("PROC_ROOT", self.proc_root),
+        ):
             if not value.startswith("/"):
                 raise SettingsError(f"{env} {value!r} must be an absolute path")
         if self.pod_ip:
@@ -334,6 +345,11 @@ class PluginSettings(CommonSettings):
                 raise SettingsError(
                     f"POD_IP {self.pod_ip!r} is not an IP address (set it from the downward API: status.podIP)"
                 ) from None
+
+    @property
+    def driver_root_mount(self) -> str:
+        """Where this process reads the driver root (NVML library, IMEX binaries, the host-managed chroot)."""
+        return self.container_driver_root or self.driver_root
 
 
 S = TypeVar("S", bound=CommonSettings)

@@ -36,10 +36,10 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from imex.discovery import HardwareError
+from imex.driver_root import find_binary, searched_bin_dirs
 
 DEFAULT_HOST_SOCKET_PATH = "/etc/nvidia-imex/imex_ctrl.sock"
 IMEX_CTL = "nvidia-imex-ctl"
-CTL_SEARCH_DIRS = ("", "opt/bin", "usr/bin", "usr/sbin", "bin", "sbin")
 DEFAULT_TIMEOUT_S = 10.0
 _MAX_OUTPUT_IN_MESSAGE = 300
 
@@ -112,47 +112,19 @@ def validate_socket_path(path: str) -> PurePosixPath:
     return PurePosixPath(path)
 
 
-def _resolve_in_root(root: Path, relative: PurePosixPath, hops: int = 0) -> Path | None:
-    """``relative`` under ``root`` with symlinks resolved as if ``root`` were ``/``; None if it leads nowhere."""
-    if hops > 40:
-        return None
-    current = root
-    parts = list(relative.parts)
-    while parts:
-        part = parts.pop(0)
-        if part in ("", "/"):
-            continue
-        candidate = current / part
-        if candidate.is_symlink():
-            target = PurePosixPath(candidate.readlink())
-            rest = PurePosixPath(*parts) if parts else PurePosixPath()
-            if target.is_absolute():
-                return _resolve_in_root(root, target.relative_to("/") / rest, hops + 1)
-            base = current.relative_to(root)
-            joined = PurePosixPath(posixpath.normpath(str(PurePosixPath(base) / target / rest)))
-            if joined.parts and joined.parts[0] == "..":
-                return None
-            return _resolve_in_root(root, joined, hops + 1)
-        current = candidate
-    return current
-
-
 def find_imex_ctl(driver_root: Path) -> PurePosixPath:
     """Path of ``nvidia-imex-ctl`` as seen inside ``driver_root`` (e.g. ``/usr/bin/nvidia-imex-ctl``).
 
     Symlinks are resolved relative to the root, because an absolute link inside a host driver root
     points into the host, not into the container that looks at it.
     """
-    for directory in CTL_SEARCH_DIRS:
-        relative = PurePosixPath(directory) / IMEX_CTL
-        resolved = _resolve_in_root(driver_root, relative)
-        if resolved is not None and resolved.is_file() and os.access(resolved, os.X_OK):
-            return PurePosixPath("/") / resolved.relative_to(driver_root)
-    searched = ", ".join("/" + d if d else "/" for d in CTL_SEARCH_DIRS)
-    raise ImexCtlNotFoundError(
-        f"{IMEX_CTL} not found under driver root {driver_root} (searched {searched}): "
-        "is nvidia-imex installed on this node, and is NVIDIA_DRIVER_ROOT right?"
-    )
+    found = find_binary(driver_root, IMEX_CTL)
+    if found is None:
+        raise ImexCtlNotFoundError(
+            f"{IMEX_CTL} not found under driver root {driver_root} (searched {searched_bin_dirs()}): "
+            "is nvidia-imex installed on this node, and is NVIDIA_DRIVER_ROOT right?"
+        )
+    return found
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ SIGTERM/SIGINT: stop registration and DRA (in-flight calls get a grace period; a
 recorded as PrepareStarted and finished or undone by the next process), stop the background tasks, close
 the client, exit 0. A SIGKILL at any point is survivable by design: see `prepare` and `checkpoint`.
 
-Hardware comes from NVML and `/proc` on a real node, or from the simulated topology file named by the
-`SIMULATED_TOPOLOGY` environment variable (the test bed and the demo).
+Hardware comes from the driver root and `/proc` only: NVML is the driver root's `libnvidia-ml.so.1`
+(`imex.nvml`), the driver's facts are `PROC_ROOT`'s files, and in driverManaged mode the base CDI spec for
+the IMEX daemons (`cdi_base`) is written from the driver root at step 2. A test node differs from a GB200
+node only in its (fake) driver root.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from computedomain.kube.client import NODES, ClientConfig, KubeClient, Raw
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import Informer
 from computedomain.plugin.cdi import CdiSpecDir
+from computedomain.plugin.cdi_base import base_edits, write_base_spec
 from computedomain.plugin.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointStore
 from computedomain.plugin.claims import KubeClaimReader
 from computedomain.plugin.cleanup import Cleanup
@@ -53,9 +56,9 @@ from computedomain.plugin.node_labels import NodeLabels
 from computedomain.plugin.prepare import HostCheck, Preparer, PreparerConfig
 from computedomain.plugin.resourceslice import SlicePublisher, published_devices
 from computedomain.settings import FeatureGate, PluginSettings
-from imex.discovery import Discovery, HardwareDiscovery, HardwareError, check_driver_for_dns_names
+from imex.discovery import HardwareDiscovery, HardwareError, check_driver_for_dns_names
 from imex.host_check import check_host_imex_ready
-from imex.procfs import ProcFS
+from imex.nvml import nvml_discovery
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +71,8 @@ class StartupError(Exception):
 
 
 def make_discovery(settings: PluginSettings) -> HardwareDiscovery:
-    """NVML + /proc, or the simulated topology (test bed, demo)."""
-    proc_root = Path(settings.proc_root)
-    proc = ProcFS(proc_root.parent, devices_path=proc_root / "devices")
-    topology = settings.simulated_topology
-    if topology:
-        from imex.simulated import SimulatedFabricSource
-
-        return Discovery(SimulatedFabricSource(settings.node_name, path=Path(topology)), proc)
-    from imex.nvml import NvmlFabricSource
-
-    return Discovery(NvmlFabricSource(), proc)
+    """NVML from the driver root, the driver's facts from PROC_ROOT."""
+    return nvml_discovery(Path(settings.driver_root_mount), proc_root=Path(settings.proc_root))
 
 
 class NodeAgent:
@@ -150,7 +144,7 @@ class NodeAgent:
 
     async def _host_check(self) -> None:
         await check_host_imex_ready(
-            driver_root=Path(self.settings.driver_root), socket_path=self.settings.imex_host_socket_path
+            driver_root=Path(self.settings.driver_root_mount), socket_path=self.settings.imex_host_socket_path
         )
 
     def prepare_startup(self) -> None:
@@ -174,6 +168,8 @@ class NodeAgent:
                 check_driver_for_dns_names(self.hardware.discovery.driver_version())
             except HardwareError as exc:
                 raise StartupError(str(exc)) from None
+        if not settings.host_managed:
+            self._write_base_spec(require_imex=bool(clique) and no_imex is None)
         try:
             invalidated = self.store.open()
         except CheckpointCorruptError as exc:
@@ -193,6 +189,25 @@ class NodeAgent:
             len(invalidated),
             self.plugin_dir,
             settings.cdi_root,
+        )
+
+    def _write_base_spec(self, *, require_imex: bool) -> None:
+        """The IMEX daemons' CDI device `.../device=all` from the driver root (`cdi_base`)."""
+        settings = self.settings
+        try:
+            edits = base_edits(
+                driver_root=Path(settings.driver_root_mount),
+                host_driver_root=settings.driver_root,
+                driver_version=str(self.hardware.discovery.driver_version()),
+                require_imex=require_imex,
+            )
+            path = write_base_spec(Path(settings.cdi_root), edits)
+        except HardwareError as exc:
+            raise StartupError(str(exc)) from None
+        except OSError as exc:
+            raise StartupError(f"cannot write the base CDI spec into CDI_ROOT {settings.cdi_root}: {exc}") from None
+        log.info(
+            "wrote base CDI spec path=%s mounts=%d device_nodes=%d", path, len(edits.mounts), len(edits.device_nodes)
         )
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -18,8 +18,8 @@ writes (runtimes watch these directories and must never read half a file), remov
 files so that specs of claims the checkpoint does not know can be cleaned up.
 
 `cdiVersion` is 0.5.0, the lowest version that allows device names starting with a digit (claim UIDs may);
-nothing newer is used. The management base spec (`.../device=all`, driver binaries for the daemon) is not
-written here.
+nothing newer is used. The base spec (`.../device=all`, the driver's files for the IMEX daemons) is
+`cdi_base`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ CDI_VERSION: Final = "0.5.0"
 CDI_VENDOR: Final = "k8s.compute-domain.nvidia.com"
 CLAIM_CLASS: Final = "claim"
 CLAIM_KIND: Final = f"{CDI_VENDOR}/{CLAIM_CLASS}"
-# The management base spec written by the reference driver; daemon containers need it for the IMEX binaries.
+# The base spec (cdi_base): daemon containers get nvidia-imex and the driver's files from it.
 BASE_DEVICE_ID: Final = f"{CDI_VENDOR}/device=all"
 DEFAULT_CDI_ROOT: Final = Path("/var/run/cdi")
 

@@ -86,10 +86,6 @@ DEFAULT_BUDGET_S: Final = 40.0
 BACKOFF_INITIAL_S: Final = 0.25
 BACKOFF_MAX_S: Final = 3.0
 DOMAINS_DIR: Final = "domains"
-BASE_SPEC_NAMES: Final = (
-    "k8s.compute-domain.nvidia.com-device_base.yaml",
-    "k8s.compute-domain.nvidia.com-device_base.json",
-)
 PUBLISHED_DEVICES: Final = frozenset({cdi.CHANNEL_DEVICE, cdi.DAEMON_DEVICE})
 
 PREPARE_CLAIMS = Counter(
@@ -610,17 +606,14 @@ class Preparer:
     def _result_device(self, spec: ClaimSpec, device: _DevicePlan) -> CheckpointDevice:
         allocated = device.resolved.device
         ids = spec.device_ids(allocated.device)
-        if device.resource.kind is DeviceKind.DAEMON and self._base_spec_exists():
-            ids = (cdi.BASE_DEVICE_ID, *ids)
+        if device.resource.kind is DeviceKind.DAEMON:
+            ids = (cdi.BASE_DEVICE_ID, *ids)  # nvidia-imex and the driver's files (cdi_base, written at start)
         return CheckpointDevice(
             request_names=(allocated.request,),
             pool_name=allocated.pool,
             device_name=allocated.device,
             cdi_device_ids=ids,
         )
-
-    def _base_spec_exists(self) -> bool:
-        return any((self.cdi.root / name).exists() for name in BASE_SPEC_NAMES)
 
     # -- unprepare
 

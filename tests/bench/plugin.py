@@ -257,17 +257,16 @@ async def bench_cluster(rounds: int) -> dict[str, object] | None:
             "daemons": [entry],
         }
         kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(clique_obj))
-        from imex.simulated import write_fake_driver_root
+        from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
 
-        write_fake_driver_root(root / "driver")
-        (root / "topo.json").write_text(json.dumps({"nodes": [{"name": node, "clique": {
-            "clusterUUID": "6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40", "cliqueId": 1}}]}))  # fmt: skip
+        tray = SimulatedClique(cluster_uuid=uuid.UUID(clique.partition(".")[0]), clique_id=1)
+        write_fake_driver_root(root / "driver", SimulatedNode(name=node, clique=tray))
         env = {
             **os.environ, "NODE_NAME": node, "KUBECONFIG": str(local.kubeconfig), "NAMESPACE": ns,
             "KUBELET_REGISTRAR_DIRECTORY_PATH": str(root / "reg"), "KUBELET_PLUGINS_DIRECTORY_PATH": str(root / "plugins"),
             "CDI_ROOT": str(root / "cdi"), "NVIDIA_DRIVER_ROOT": str(root / "driver"),
             "PROC_ROOT": str(root / "driver/proc"), "HEALTHCHECK_PORT": "-1",
-            "SIMULATED_TOPOLOGY": str(root / "topo.json"), "LOG_LEVEL": "warning",
+            "LOG_LEVEL": "warning",
             # Back-to-back Prepares would otherwise measure the client's token bucket (default 20 QPS),
             # not the agent: a real node prepares a few claims per pod start, well inside the burst.
             "KUBE_API_QPS": "500", "KUBE_API_BURST": "1000",

@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+import yaml
+
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
 from computedomain.status_view import gather
 from tests.testbed.cluster import LocalCluster
@@ -87,7 +89,7 @@ def channels(sim: SimCluster) -> str:
         ]
         devices: list[str] = []
         for spec_file in node.cdi_spec_files():
-            spec = json.loads(spec_file.read_text())
+            spec = yaml.safe_load(spec_file.read_text())
             for device in spec.get("devices") or ():
                 if f"{spec['kind']}={device['name']}" in ids:
                     for dn in (device.get("containerEdits") or {}).get("deviceNodes") or ():

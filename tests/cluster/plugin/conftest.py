@@ -1,7 +1,7 @@
 """Fixtures for the node agent's cluster tests.
 
-Each test gets simulated nodes of its own: a kwok-managed Node, a fake driver root (`/proc` files of a real
-H200), a topology file for the simulated NVML, short kubelet directories (unix socket paths are limited to
+Each test gets simulated nodes of its own: a kwok-managed Node, a fake driver root (the mock NVML library
+answering for an NVL72 tray, `/proc` files of a real H200, the IMEX simulator), short kubelet directories (unix socket paths are limited to
 107 bytes), the node agent as a real process (`python -m computedomain kubelet-plugin`) and the kubelet
 stand-in in the test's event loop.
 
@@ -34,9 +34,9 @@ import pytest
 from computedomain.api.constants import CHANNEL_DEVICE_CLASS, DAEMON_DEVICE_CLASS, DRIVER_NAME
 from computedomain.kube.client import KubeClient
 from computedomain.plugin.checkpoint import CheckpointStore
-from imex.simulated import write_fake_driver_root
 from tests.conftest import REPO, Cluster
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION, KWOK_STAGES, LocalCluster, free_port
+from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
 from tests.testbed.kubelet import KubeletStandIn
 from tests.testbed.nodes import gb200_node
 
@@ -45,6 +45,13 @@ T = TypeVar("T")
 STANDIN_ANNOTATION_VALUE = "standin"
 CLUSTER_UUID = "6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40"
 GV = "resource.nvidia.com/v1beta1"
+
+
+def fake_node(name: str, *, clique: bool = True) -> SimulatedNode:
+    """The hardware facts of a test node: an NVL72 tray of clique `<CLUSTER_UUID>.1`, or a node without one."""
+    if not clique:
+        return SimulatedNode(name=name)
+    return SimulatedNode(name=name, clique=SimulatedClique(cluster_uuid=uuid.UUID(CLUSTER_UUID), clique_id=1))
 
 
 @pytest.fixture(scope="session")
@@ -452,12 +459,8 @@ class Harness:
         node_obj["metadata"]["annotations"][KWOK_NODE_ANNOTATION] = STANDIN_ANNOTATION_VALUE
         self.cluster.apply(node_obj)
         root = Path(tempfile.mkdtemp(prefix="cdp-", dir="/tmp"))
-        fake_root = driver_root or write_fake_driver_root(root / "driver")  # a given root brings its own /proc
-        topology = root / "topology.yaml"
-        entry: dict[str, Any] = {"name": name}
-        if clique:
-            entry["clique"] = {"clusterUUID": CLUSTER_UUID, "cliqueId": 1}
-        topology.write_text(json.dumps({"nodes": [entry]}))
+        # A given root brings its own NVML answers and /proc.
+        fake_root = driver_root or write_fake_driver_root(root / "driver", fake_node(name, clique=clique))
         log_path = REPO / ".cluster" / "logs" / f"test-plugin-{name}.log"
         plugin_env = {
             "NODE_NAME": name,
@@ -469,7 +472,6 @@ class Harness:
             "NVIDIA_DRIVER_ROOT": str(fake_root),
             "PROC_ROOT": str(fake_root / "proc"),
             "HEALTHCHECK_PORT": "-1",
-            "SIMULATED_TOPOLOGY": str(topology),
             "KUBE_API_QPS": "50",
             "KUBE_API_BURST": "100",
             "LOG_LEVEL": "info",

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
-from imex.simulated import write_fake_driver_root
-from tests.cluster.plugin.conftest import Harness, eventually
+from tests.cluster.plugin.conftest import Harness, eventually, fake_node
+from tests.testbed.fake_driver_root import write_fake_driver_root
 from tests.testbed.imex_simulator.wrappers import install_wrappers
-from tests.unit.imex.conftest import chroot_driver_root  # noqa: F401 (fixture)
+from tests.unit.imex.conftest import system_in_root
 from tests.unit.imex.test_host_check import start_host_daemon
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -27,10 +27,12 @@ HOST_MANAGED = {
 
 
 @pytest.fixture
-def host_root(chroot_driver_root: Path) -> Iterator[Path]:  # noqa: F811
-    install_wrappers(chroot_driver_root / "opt" / "bin")
-    write_fake_driver_root(chroot_driver_root)
-    yield chroot_driver_root
+def host_root(tmp_path: Path) -> Iterator[Path]:
+    """A fabric node's driver root (mock NVML of an NVL72 tray) that the agent can also chroot into."""
+    root = write_fake_driver_root(tmp_path / "driver-root", fake_node("host-managed"), imex=False)
+    install_wrappers(root / "opt" / "bin")
+    with system_in_root(root):
+        yield root
 
 
 def events(harness: Harness, pod: str, reason: str) -> list[str]:

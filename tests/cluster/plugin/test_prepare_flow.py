@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME, GPU_CLIQUE_NODE_LABEL
-from imex.simulated import write_fake_driver_root
 from tests.cluster.plugin.conftest import Harness, eventually
+from tests.testbed.fake_driver_root import write_fake_driver_root
 from tests.testbed.kubelet import PREPARED_ANNOTATION
 from tests.testbed.sim.pods import free_port
 

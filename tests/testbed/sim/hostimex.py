@@ -7,8 +7,9 @@ the rack's node IPs) with its command service on a unix socket, and the node age
 - `<node>/etc/nvidia-imex/config.cfg` + `nodes_config.cfg` (its rack's host IPs) and the simulator bound to
   the node's host IP (peers) and to `<node>/etc/nvidia-imex/imex_ctrl.sock` (command service), so the socket
   is at `/etc/nvidia-imex/imex_ctrl.sock` as seen from the node's root;
-- a driver root the chroot can run the simulator's ctl in: read-only bind mounts of `/usr`, the Python
-  installation and the repository, the usual `bin -> usr/bin` links, and the ctl wrapper at
+- a driver root the chroot can run the simulator's ctl in: `/usr`, the Python installation and the
+  repository mounted read-only (`/usr` as an overlay under the fake driver's own `usr/` files:
+  `tests.testbed.fake_driver_root.chroot`), the usual `bin -> usr/bin` links, and the ctl wrapper at
   `<node>/opt/bin/nvidia-imex-ctl` (one of the places the node agent looks).
 
 `stop(node)` / `start(node)` are the operator's `systemctl stop|start nvidia-imex`. Bind mounts need root and
@@ -27,6 +28,7 @@ import sys
 from pathlib import Path
 
 from imex.config import render_imexd_cfg, render_nodes_cfg_ips
+from tests.testbed.fake_driver_root.chroot import mount_system_dir
 from tests.testbed.sim.containers import REPO
 from tests.testbed.sim.topology import SimNode, SimTopology
 
@@ -76,14 +78,12 @@ class HostImex:
             target = node.root / source.relative_to("/")
             if any(m == target for m in mounted_below(node.root)):
                 continue
-            target.mkdir(parents=True, exist_ok=True)
-            result = subprocess.run(
-                ["mount", "--bind", "-o", "ro", str(source), str(target)], capture_output=True, text=True, timeout=30
-            )
-            if result.returncode != 0:
+            try:
+                mount_system_dir(source, target)
+            except subprocess.CalledProcessError as exc:
                 raise HostImexError(
-                    f"cannot bind-mount {source} into {node.name}'s driver root: {result.stderr.strip()}"
-                )
+                    f"cannot mount {source} into {node.name}'s driver root: {exc.stderr.decode().strip()}"
+                ) from None
             self.mounts.append(target)
         ctl = node.host_path("/opt/bin/nvidia-imex-ctl")
         ctl.parent.mkdir(parents=True, exist_ok=True)

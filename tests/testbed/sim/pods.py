@@ -11,10 +11,12 @@ agents, IMEX daemons, uninstall hook Jobs), does what the kubelet and the contai
   means in-cluster, whose fixed token path cannot exist here);
 - **env, args, paths, ports**: `containers.translate` (downward API, `$(VAR)`, CDI edits of the pod's
   prepared claims from the node's CDI dir, mount paths into the node's tree, per-pod address and ports);
-- **hardware**: a node agent reads its node's NVLink fabric from the topology file (`SIMULATED_TOPOLOGY`,
-  the node agent's simulated NVML) and `/proc` from the node's fake driver files;
-- **IMEX**: an IMEX daemon container gets per-pod `nvidia-imex`/`nvidia-imex-ctl` wrappers that start the
-  IMEX simulator with the pod's IP and hosts file (`IMEX_BINARY`/`IMEX_CTL_BINARY`, first in PATH);
+- **hardware**: nothing of its own: the node's tree is its driver root (mock NVML, `/proc` files, the IMEX
+  simulator; `tests.testbed.fake_driver_root`), which the node agent reads through the chart's
+  `/driver-root` mount like any hostPath;
+- **IMEX**: an IMEX daemon container gets `nvidia-imex`/`nvidia-imex-ctl` from the base CDI spec, as on a
+  real node; with no mount namespace, per-pod wrappers (`IMEX_BINARY`/`IMEX_CTL_BINARY`, first in PATH) run
+  those files with what a container would give them implicitly (its IP, its `/etc/hosts`);
 - **lifecycle**: a finalizer of ours keeps the pod object (and with it the bound token) alive until the
   process has stopped, as the kubelet keeps a terminating pod; deletion is SIGTERM, then SIGKILL after
   `terminationGracePeriodSeconds`; a process that exits is restarted per `restartPolicy` with the kubelet's
@@ -210,38 +212,41 @@ class PodWorker:
             host.mkdir(parents=True, exist_ok=True)
             mounts.add(vm["mountPath"], host)
         for mount in cdi.get("mounts") or ():
-            mounts.add(mount["containerPath"], Path(mount["hostPath"]))
+            mounts.add(mount["containerPath"], self.node.machine_path(mount["hostPath"]))
         mounts.add("/etc/hosts", self.dir / "etc-hosts")
         mounts.add("/proc", self.node.host_path("/proc"))
         return mounts
 
-    def _imex_wrappers(self, hosts: Path) -> dict[str, str]:
+    def _imex_wrappers(self, mounts: Mounts) -> dict[str, str]:
+        """Wrappers of the `nvidia-imex`/`nvidia-imex-ctl` the pod's CDI mounts provide (none: none, and the
+        daemon fails to start its IMEX as in a real container that lacks it)."""
         bin_dir = self.dir / "bin"
         bin_dir.mkdir(exist_ok=True)
+        hosts = mounts.translate("/etc/hosts")
         sim_env = {
             "IMEX_SIM_HOSTS_FILE": str(hosts),
             "IMEX_SIM_NODE_IP": self.pod_ip,
             "IMEX_SIM_FAULT_FILE": str(self.dir / "imex-faults"),
             "IMEX_SIM_HEARTBEAT_INTERVAL": str(self.runner.hosting.imex_heartbeat_s),
             "IMEX_SIM_HEARTBEAT_MISSES": str(self.runner.hosting.imex_heartbeat_misses),
-            "PYTHONPATH": str(REPO),
         }
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sim_env.items())
         out = {}
-        for name, module, setting in (
-            ("nvidia-imex", "tests.testbed.imex_simulator.imexd", "IMEX_BINARY"),
-            ("nvidia-imex-ctl", "tests.testbed.imex_simulator.ctl", "IMEX_CTL_BINARY"),
-        ):
+        for name, setting in (("nvidia-imex", "IMEX_BINARY"), ("nvidia-imex-ctl", "IMEX_CTL_BINARY")):
+            provided = mounts.translate(f"/usr/bin/{name}")
+            if provided is None or not provided.is_file():
+                continue
             path = bin_dir / name
             path.write_text(
                 "#!/bin/sh\n"
-                f"# {name} of pod {self.key} on {self.node.name}: the IMEX simulator (tests/testbed/sim/pods.py)\n"
+                f"# {name} of pod {self.key} on {self.node.name}: the one its CDI spec mounts, with the pod's\n"
+                "# IP and /etc/hosts (a container would see them without being told)\n"
                 f"export {exports}\n"
-                f'exec {shlex.quote(sys.executable)} -m {module} "$@"\n'
+                f'exec {shlex.quote(str(provided))} "$@"\n'
             )
             path.chmod(0o755)
             out[setting] = str(path)
-        if self.runner.hosting.fast_imex_ctl:
+        if self.runner.hosting.fast_imex_ctl and "IMEX_CTL_BINARY" in out:
             fast = bin_dir / "nvidia-imex-ctl-fast"
             fast.write_text(FAST_CTL.replace("@CTL@", shlex.quote(out["IMEX_CTL_BINARY"])))
             fast.chmod(0o755)
@@ -255,7 +260,8 @@ class PodWorker:
     async def _plan(self, state: ContainerState, kubeconfig: Path) -> ContainerPlan:
         spec = state.spec
         env = container_env(self.pod, spec, lookup=None)
-        cdi = cdi_edits([json.loads(p.read_text()) for p in self.node.cdi_spec_files()], self._claim_cdi_ids(spec))
+        specs = [yaml.safe_load(p.read_text()) for p in self.node.cdi_spec_files()]
+        cdi = cdi_edits(specs, self._claim_cdi_ids(spec))
         for item in cdi.get("env") or ():
             name, _, value = item.partition("=")
             env[name] = value
@@ -268,13 +274,8 @@ class PodWorker:
             "LANG": "C.UTF-8",
         }
         plan.env = {**base, **plan.env, "KUBECONFIG": str(kubeconfig)}
-        if _kind(plan.program) == "node-agent":
-            # The simulated NVML (imex.simulated): this node's fabric registration from the topology file.
-            plan.env["SIMULATED_TOPOLOGY"] = str(self.runner.topology.topology_file)
         if _kind(plan.program) == "imex-daemon":
-            hosts = plan.mounts.translate("/etc/hosts")
-            assert hosts is not None
-            plan.env.update({k: v for k, v in self._imex_wrappers(hosts).items() if k not in plan.env})
+            plan.env.update({k: v for k, v in self._imex_wrappers(plan.mounts).items() if k not in plan.env})
         return plan
 
     # -- status

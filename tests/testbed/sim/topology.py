@@ -9,13 +9,12 @@ reports it). Every node gets
   podCIDR `127.A.B.0/25`, the node itself is `127.A.B.200`. All of 127/8 is local on Linux, so the IMEX
   simulator can bind every pod IP, and a pod IP that kwok recycles is really reused;
 - a directory `<root>/n<i>` (short: unix socket paths below it are limited to 107 bytes) that stands in for its root filesystem: hostPath volumes map below it
-  (`/var/lib/kubelet/plugins_registry` -> `<root>/<node>/var/lib/kubelet/plugins_registry`), the fake
-  driver `/proc` files (`imex.simulated.write_fake_driver_root`) are at `<root>/<node>/proc`, the host IMEX
-  of hostManaged mode keeps its config and socket in `<root>/<node>/etc/nvidia-imex`.
-
-One topology file (`<root>/topology.json`, `imex.simulated` format) describes every node's fabric for the
-node agents' simulated NVML (`SIMULATED_TOPOLOGY`). `root` should be short: unix socket paths below it are
-limited to 107 bytes.
+  (`/var/lib/kubelet/plugins_registry` -> `<root>/<node>/var/lib/kubelet/plugins_registry`), the host IMEX
+  of hostManaged mode keeps its config and socket in `<root>/<node>/etc/nvidia-imex`;
+- the NVIDIA driver at the root of that tree (the chart's default `nvidiaDriverRoot: /`), written by
+  `tests.testbed.fake_driver_root`: the mock `libnvidia-ml.so.1` answering the node's fabric, the driver's
+  `/proc` files at `<root>/<node>/proc`, and the IMEX simulator as `nvidia-imex`/`nvidia-imex-ctl`. The node
+  agents find it exactly as on a real node (the chart mounts the driver root at `/driver-root`).
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from computedomain.api.constants import GPU_CLIQUE_NODE_LABEL
-from imex.simulated import SimulatedClique, SimulatedNode, Topology, write_fake_driver_root
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION
+from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
 
 TRAYS_PER_RACK: Final = 18
 GPUS_PER_TRAY: Final = 4
@@ -66,6 +65,11 @@ class SimNode:
         """Where a path of this node's root filesystem lives on the machine running the simulation."""
         return self.root / path.lstrip("/")
 
+    def machine_path(self, path: str) -> Path:
+        """A host path some process of this node wrote (a CDI spec's `hostPath`): node paths map into the
+        node's tree; a path already there (written by a process that saw machine paths) stays."""
+        return Path(path) if Path(path).is_relative_to(self.root) else self.host_path(path)
+
     @property
     def registrar_dir(self) -> Path:
         return self.host_path(KUBELET_REGISTRAR)
@@ -75,7 +79,10 @@ class SimNode:
         return self.host_path(CDI_ROOT)
 
     def cdi_spec_files(self) -> list[Path]:
-        return sorted(self.cdi_dir.glob("*.json")) if self.cdi_dir.is_dir() else []
+        """The node's CDI specs (`*.json` and `*.yaml`, as a runtime loads them)."""
+        if not self.cdi_dir.is_dir():
+            return []
+        return sorted(p for p in self.cdi_dir.iterdir() if p.suffix in (".json", ".yaml"))
 
     def manifest(self, cluster_id: str, kwok_value: str) -> dict[str, Any]:
         labels = {
@@ -122,10 +129,6 @@ class SimTopology:
     def __post_init__(self) -> None:
         self.by_name = {n.name: n for n in self.nodes}
 
-    @property
-    def topology_file(self) -> Path:
-        return self.root / "topology.json"
-
     def cliques(self) -> dict[str, list[SimNode]]:
         out: dict[str, list[SimNode]] = {}
         for node in self.nodes:
@@ -143,31 +146,21 @@ class SimTopology:
         net = ip.rpartition(".")[0]
         return next((n for n in self.nodes if n.net == net), None)
 
-    def imex_topology(self) -> Topology:
-        nodes = []
-        for n in self.nodes:
-            clique = None
-            if n.rack is not None:
-                clique = SimulatedClique(cluster_uuid=self.cluster_uuid, clique_id=n.rack + 1)
-            nodes.append(
-                SimulatedNode(
-                    name=n.name,
-                    driver_version=DRIVER_VERSION,
-                    gpu_count=GPUS_PER_TRAY,
-                    clique=clique,
-                )
-            )
-        return Topology(nodes=nodes)
+    def hardware(self, node: SimNode) -> SimulatedNode:
+        """What the node's NVML reports: an NVL72 tray of its rack's clique, or a GPU node without one."""
+        clique = None
+        if node.rack is not None:
+            clique = SimulatedClique(cluster_uuid=self.cluster_uuid, clique_id=node.rack + 1)
+        return SimulatedNode(name=node.name, driver_version=DRIVER_VERSION, gpu_count=GPUS_PER_TRAY, clique=clique)
 
     def write(self) -> None:
-        """Lay out every node's tree and the topology file (idempotent)."""
+        """Lay out every node's tree and driver root (idempotent)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        self.topology_file.write_text(self.imex_topology().to_json())
         for node in self.nodes:
             for path in (KUBELET_REGISTRAR, KUBELET_PLUGINS, CDI_ROOT, "/etc", "/var/log/pods"):
                 node.host_path(path).mkdir(parents=True, exist_ok=True)
             # Non-fabric nodes have the IMEX channel major too (an H200 driver exposes it), not the capability.
-            write_fake_driver_root(node.root, fabric_imex_mgmt_minor=4323 if node.clique else None)
+            write_fake_driver_root(node.root, self.hardware(node), fabric_imex_mgmt_minor=4323 if node.clique else None)
             hosts = node.host_path("/etc/hosts")
             if not hosts.exists():
                 hosts.write_text(f"127.0.0.1 localhost\n{node.host_ip} {node.name}\n")

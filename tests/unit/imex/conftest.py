@@ -4,6 +4,7 @@ driver root for chroot tests built from read-only bind mounts of what Python nee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import pytest
 
 from imex.config import hostname_prefix, render_imexd_cfg, render_nodes_cfg_dns, slot_hostname
 from imex.hosts_file import SENTINEL_ADDRESS, HostEntry, update_hosts_file
+from tests.testbed.fake_driver_root.chroot import mount_system_dir
 from tests.testbed.imex_simulator.ctl import query_status
 from tests.testbed.imex_simulator.wrappers import install_wrappers, package_root
 
@@ -163,10 +165,6 @@ def send_signal(node: SimNode, sig: signal.Signals) -> None:
 # Fake driver root for chroot
 
 
-def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def chroot_driver_root(tmp_path: Path) -> Iterator[Path]:
     """A driver root with read-only bind mounts of the system and Python dirs, and ``opt/bin`` to fill.
@@ -174,15 +172,22 @@ def chroot_driver_root(tmp_path: Path) -> Iterator[Path]:
     Needs root and mount(2). If that is not available the test fails with the reason (set
     IMEX_SKIP_CHROOT_TESTS=1 to turn it into an explicit skip on machines known to lack it).
     """
+    root = tmp_path / "driver-root"
+    root.mkdir()
+    with system_in_root(root):
+        yield root
+
+
+@contextlib.contextmanager
+def system_in_root(root: Path) -> Iterator[Path]:
+    """Mount the system and Python dirs read-only into ``root`` (files the root already has stay on top)."""
     if os.environ.get("IMEX_SKIP_CHROOT_TESTS") == "1":
         pytest.skip("IMEX_SKIP_CHROOT_TESTS=1: chroot tests need root and bind mounts")
     if os.geteuid() != 0:
         pytest.fail("chroot tests need root (or set IMEX_SKIP_CHROOT_TESTS=1 to skip them explicitly)")
-    root = tmp_path / "driver-root"
-    root.mkdir()
-    (root / "dev").mkdir()
-    (root / "run").mkdir()
-    (root / "opt" / "bin").mkdir(parents=True)
+    (root / "dev").mkdir(exist_ok=True)
+    (root / "run").mkdir(exist_ok=True)
+    (root / "opt" / "bin").mkdir(parents=True, exist_ok=True)
     sources = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", sys.base_prefix, sys.prefix, str(package_root())]
     # Parents first, so a child already visible through its parent's mount is skipped.
     sources.sort(key=lambda s: len(Path(s).parts))
@@ -200,11 +205,10 @@ def chroot_driver_root(tmp_path: Path) -> Iterator[Path]:
                 continue
             if any(src.is_relative_to(Path("/") / m.relative_to(root)) for m in mounted):
                 continue  # already visible through a parent mount
-            target.mkdir(parents=True, exist_ok=True)
             try:
-                _mount("--bind", "-o", "ro", str(src), str(target))
+                mount_system_dir(src, target)
             except subprocess.CalledProcessError as exc:
-                pytest.fail(f"cannot bind-mount {src} for the chroot test: {exc.stderr.decode().strip()}")
+                pytest.fail(f"cannot mount {src} for the chroot test: {exc.stderr.decode().strip()}")
             mounted.append(target)
             # pytest later deletes tmp_path; a writable bind mount there would let it delete the real tree.
             probe = target / ".imex-rw-probe"

@@ -1,16 +1,13 @@
-"""Driver version rule, clique derivation, and the composed discovery against fake driver roots."""
+"""Driver version rule and clique derivation (pure rules; the NVML source against the mock library is test_nvml)."""
 
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
 
 from imex.discovery import (
     ZERO_UUID,
-    CliqueID,
-    Discovery,
     DriverTooOldError,
     DriverVersion,
     DriverVersionError,
@@ -22,8 +19,6 @@ from imex.discovery import (
     check_driver_for_dns_names,
     derive_clique_id,
 )
-from imex.procfs import ProcFS
-from imex.simulated import SimulatedFabricSource, nvl72_topology, topology_from_dicts, write_fake_driver_root
 
 UUID_A = uuid.UUID("6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40")
 UUID_B = uuid.UUID("0b7a4c3e-9d21-4f6a-8c55-3e2d1f0a9b88")
@@ -148,42 +143,3 @@ def test_fabric_state_from_nvml_numbers() -> None:
     assert [FabricState.from_nvml(n) for n in range(4)] == [NS, NST, IP, C]
     with pytest.raises(FabricError, match="unknown GPU fabric state 9"):
         FabricState.from_nvml(9)
-
-
-def test_discovery_on_real_h200_facts(tmp_path: Path) -> None:
-    """SPEC section 6: what driver 580.159.04 on an H200 reports, end to end through our readers."""
-    root = write_fake_driver_root(tmp_path)
-    topology = topology_from_dicts([{"name": "h200", "driverVersion": "580.159.04", "gpuCount": 1}])
-    discovery = Discovery(SimulatedFabricSource("h200", topology=topology), ProcFS(root))
-    assert discovery.driver_version() == DriverVersion(580, 159, 4)
-    check_driver_for_dns_names(discovery.driver_version())
-    assert discovery.clique_id(crash_on_fabric_errors=True) is None
-    assert discovery.imex_channel_major() == 242
-    assert discovery.nvidia_caps_major() == 241
-    assert discovery.imex_channel_count() == 2048
-    cap = discovery.fabric_imex_mgmt()
-    assert cap is not None and cap.minor == 4323
-    assert cap.device_path == "/dev/nvidia-caps/nvidia-cap4323"
-
-
-def test_discovery_on_simulated_nvl72_node(tmp_path: Path) -> None:
-    topology = nvl72_topology(racks=2, trays_per_rack=18, non_fabric_nodes=1)
-    path = tmp_path / "topology.yaml"
-    path.write_text(topology.to_json())
-    root = write_fake_driver_root(tmp_path / "root")
-    tray = Discovery(SimulatedFabricSource("gb-r1-t17", path=path), ProcFS(root))
-    assert tray.clique_id(crash_on_fabric_errors=True) == CliqueID("6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40.2")
-    cpu = Discovery(SimulatedFabricSource("cpu-0", path=path), ProcFS(root))
-    assert cpu.clique_id(crash_on_fabric_errors=True) is None
-
-
-def test_simulated_source_rereads_the_topology_file(tmp_path: Path) -> None:
-    """Fabric Manager finishing registration while the agent runs: the next call sees it."""
-    path = tmp_path / "topology.yaml"
-    clique = {"clusterUUID": str(UUID_A), "cliqueId": 3}
-    path.write_text(f"nodes: [{{name: n1, fabricState: IN_PROGRESS, clique: {clique}}}]\n".replace("'", ""))
-    source = SimulatedFabricSource("n1", path=path)
-    with pytest.raises(FabricNotReadyError):
-        derive_clique_id(source.gpu_fabric_infos(), crash_on_fabric_errors=True)
-    path.write_text(f"nodes: [{{name: n1, clique: {clique}}}]\n".replace("'", ""))
-    assert derive_clique_id(source.gpu_fabric_infos(), crash_on_fabric_errors=True) == f"{UUID_A}.3"

@@ -15,7 +15,7 @@ from imex.procfs import (
     parse_key_values,
     parse_params,
 )
-from imex.simulated import write_fake_driver_root
+from tests.testbed.fake_driver_root import write_proc_files
 
 # The real H200 file (driver 580.159.04), trimmed of unrelated devices; note 195 is shared by two names.
 REAL_DEVICES = """Character devices:
@@ -165,7 +165,7 @@ def test_key_values_keep_quoted_values() -> None:
 
 
 def test_procfs_against_fake_root_defaults_to_h200(tmp_path: Path) -> None:
-    proc = ProcFS(write_fake_driver_root(tmp_path))
+    proc = ProcFS(write_proc_files(tmp_path))
     assert proc.imex_channel_major() == 242
     assert proc.nvidia_caps_major() == 241
     assert proc.imex_channel_count() == 2048
@@ -175,7 +175,7 @@ def test_procfs_against_fake_root_defaults_to_h200(tmp_path: Path) -> None:
 
 
 def test_procfs_driver_without_imex(tmp_path: Path) -> None:
-    root = write_fake_driver_root(tmp_path, channels_major=None, imex_channel_count=None, fabric_imex_mgmt_minor=None)
+    root = write_proc_files(tmp_path, channels_major=None, imex_channel_count=None, fabric_imex_mgmt_minor=None)
     proc = ProcFS(root)
     with pytest.raises(DeviceNotFoundError, match=rf"{tmp_path}/proc/devices: no character device"):
         proc.imex_channel_major()
@@ -192,7 +192,7 @@ def test_procfs_missing_files(tmp_path: Path) -> None:
 
 
 def test_alternative_devices_path(tmp_path: Path) -> None:
-    write_fake_driver_root(tmp_path / "root")
+    write_proc_files(tmp_path / "root")
     alt = tmp_path / "alt-devices"
     alt.write_text("Character devices:\n235 nvidia-caps-imex-channels\n236 nvidia-caps\n")
     proc = ProcFS(tmp_path / "root", devices_path=alt)
@@ -200,7 +200,7 @@ def test_alternative_devices_path(tmp_path: Path) -> None:
 
 
 def test_non_utf8_file_is_a_format_error(tmp_path: Path) -> None:
-    root = write_fake_driver_root(tmp_path)
+    root = write_proc_files(tmp_path)
     (root / "proc/devices").write_bytes(b"Character devices:\n\xff\xfe\n")
     with pytest.raises(ProcFormatError, match="not UTF-8"):
         ProcFS(root).imex_channel_major()

@@ -21,7 +21,7 @@ from computedomain.plugin.prepare import DomainInfo
 from computedomain.plugin.resourceslice import plan, published_devices, slice_name
 from imex.discovery import Discovery, FabricNotReadyError, FabricState, GpuFabricInfo
 from imex.procfs import ProcFS
-from imex.simulated import write_fake_driver_root
+from tests.testbed.fake_driver_root import write_proc_files
 from tests.unit.plugin.fakes import NODE, Bed
 
 # --- ResourceSlice ------------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class Fabric:
 async def test_clique_refresh_keeps_a_known_clique(tmp_path: Path) -> None:
     cluster = uuid.uuid4()
     fabric = Fabric([GpuFabricInfo("0", FabricState.COMPLETED, cluster, 3)])
-    hw = NodeHardware(Discovery(fabric, ProcFS(write_fake_driver_root(tmp_path))), crash_on_fabric_errors=True)
+    hw = NodeHardware(Discovery(fabric, ProcFS(write_proc_files(tmp_path))), crash_on_fabric_errors=True)
     assert hw.load() == f"{cluster}.3" == desired_label(hw.clique_id)
     fabric.infos = [GpuFabricInfo("0", FabricState.IN_PROGRESS)]
     assert await hw.refresh() == f"{cluster}.3", "a failed read never clears the clique"
@@ -149,7 +149,7 @@ async def test_clique_refresh_keeps_a_known_clique(tmp_path: Path) -> None:
 
 
 def test_node_without_imex_says_why(tmp_path: Path) -> None:
-    root = write_fake_driver_root(tmp_path, channels_major=None)
+    root = write_proc_files(tmp_path, channels_major=None)
     hw = NodeHardware(Discovery(Fabric([]), ProcFS(root)), crash_on_fabric_errors=True)
     assert hw.load() == ""
     reason = hw.imex_support()

@@ -237,6 +237,11 @@ async def test_daemon_claim_gets_imexd_env_and_fabric_device(tmp_path: Path) -> 
     ref = bed.daemon_claim(cd)
     result = (await bed.preparer.prepare([ref]))[ref.uid]
     assert result.ok, result.error
+    # The base spec's device first: nvidia-imex and the driver's files (cdi_base), then the claim's own.
+    assert result.devices[0].cdi_device_ids == (
+        "k8s.compute-domain.nvidia.com/device=all",
+        f"k8s.compute-domain.nvidia.com/claim={ref.uid}-daemon-0",
+    )
     spec = bed.cdi.read(ref.uid)
     assert spec is not None
     edits = spec["devices"][0]["containerEdits"]

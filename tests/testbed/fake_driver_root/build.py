@@ -1,0 +1,116 @@
+"""Building the fake driver root's executables once, cached by the hash of their sources.
+
+- ``mock_nvml_library()``: ``mock_nvml.c`` compiled with the machine's C compiler into a shared library
+  with soname ``libnvidia-ml.so.1`` (the stand-in for NVML, see the C file's header for where it differs).
+- ``imex_simulator_apps(interpreter)``: the IMEX simulator as two self-contained Python zip applications,
+  ``nvidia-imex`` and ``nvidia-imex-ctl``: one file each, like the NVIDIA binaries, so a CDI spec can
+  mount them into a container and the daemon finds them on its PATH. They need the ``imex`` package
+  (the service's image has it) and run with ``interpreter`` (``sys.executable`` on this machine,
+  ``/usr/bin/env python3`` inside the service's image).
+
+Both land in ``${XDG_CACHE_HOME:-~/.cache}/computedomain-fakeroot/<kind>-<hash>/``, written to a temp name
+and renamed, so parallel test processes and worktrees share them safely. Nothing is ever deleted there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+HERE: Final = Path(__file__).resolve().parent
+MOCK_NVML_SOURCE: Final = HERE / "mock_nvml.c"
+SIMULATOR: Final = HERE.parent / "imex_simulator"
+CFLAGS: Final = (
+    "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-fvisibility=hidden",
+    "-Wl,-soname,libnvidia-ml.so.1", "-pthread",
+)  # fmt: skip
+IMEX_APPS: Final = {
+    "nvidia-imex": "tests.testbed.imex_simulator.imexd",
+    "nvidia-imex-ctl": "tests.testbed.imex_simulator.ctl",
+}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "computedomain-fakeroot"
+
+
+def _publish(target: Path, write: Callable[[Path], None]) -> Path:
+    """Create ``target`` through ``write(temp path)`` unless it exists; atomic for concurrent builders."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        tmp.chmod(0o755)
+        tmp.replace(target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return target
+
+
+def mock_nvml_library() -> Path:
+    """The mock ``libnvidia-ml.so.1`` for this machine, built on first use."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise BuildError(
+            f"no C compiler (gcc/cc, or $CC): the mock libnvidia-ml.so.1 is built from {MOCK_NVML_SOURCE}; install gcc"
+        )
+    digest = hashlib.sha256(MOCK_NVML_SOURCE.read_bytes() + " ".join(CFLAGS).encode() + os.uname().machine.encode())
+    target = cache_root() / f"mock-nvml-{digest.hexdigest()[:16]}" / "libnvidia-ml.so.1"
+
+    def build(tmp: Path) -> None:
+        result = subprocess.run(
+            [compiler, *CFLAGS, "-o", str(tmp), str(MOCK_NVML_SOURCE)], capture_output=True, text=True, timeout=120
+        )
+        if result.returncode != 0:
+            raise BuildError(f"building the mock libnvidia-ml.so.1 failed: {result.stderr.strip()[-2000:]}")
+
+    return _publish(target, build)
+
+
+def _simulator_files() -> dict[str, bytes]:
+    files = {"tests/__init__.py": b"", "tests/testbed/__init__.py": (HERE.parent / "__init__.py").read_bytes()}
+    for path in sorted(SIMULATOR.glob("*.py")):
+        files[f"tests/testbed/imex_simulator/{path.name}"] = path.read_bytes()
+    return files
+
+
+def imex_simulator_apps(interpreter: str) -> dict[str, Path]:
+    """``nvidia-imex`` and ``nvidia-imex-ctl`` as zip applications for ``interpreter``; name -> cached file."""
+    files = _simulator_files()
+    digest = hashlib.sha256(interpreter.encode())
+    for name, data in files.items():
+        digest.update(name.encode() + b"\0" + data)
+    directory = cache_root() / f"imex-simulator-{digest.hexdigest()[:16]}"
+    out = {}
+    for app, module in IMEX_APPS.items():
+        main = f"import sys\nfrom {module} import main\nsys.exit(main())\n".encode()
+
+        def write(tmp: Path, main: bytes = main) -> None:
+            buffer = io.BytesIO()
+            with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+                for name, data in {**files, "__main__.py": main}.items():
+                    # A fixed timestamp: the same sources give the same bytes.
+                    archive.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data)
+            tmp.write_bytes(f"#!{interpreter}\n".encode() + buffer.getvalue())
+
+        out[app] = _publish(directory / app, write)
+    return out
