@@ -90,14 +90,18 @@ def test_node_agent_env_is_what_the_node_agent_reads(default: Rendered) -> None:
     assert set(env) >= {
         "FEATURE_GATES", "IMEX_MODE", "IMEX_ISOLATION", "IMEX_HOST_SOCKET_PATH", "NAMESPACE", "KUBECONFIG",
         "LOG_LEVEL", "LOG_FORMAT", "NODE_NAME", "KUBELET_REGISTRAR_DIRECTORY_PATH", "KUBELET_PLUGINS_DIRECTORY_PATH",
-        "CDI_ROOT", "NVIDIA_DRIVER_ROOT", "PROC_ROOT", "HEALTHCHECK_PORT", "GPU_CLIQUE_LABEL_ENABLED", "POD_IP",
+        "CDI_ROOT", "NVIDIA_DRIVER_ROOT", "CONTAINER_DRIVER_ROOT", "HEALTHCHECK_PORT", "GPU_CLIQUE_LABEL_ENABLED",
+        "POD_IP",
     }  # fmt: skip
     settings = load_settings(PluginSettings, environ=env)
     assert settings.node_name == "node-1" and settings.health_port == HEALTH_PORT == 51515
     # The health server binds the pod IP; the kubelet's gRPC probes dial the pod IP, so they still reach it.
     assert settings.pod_ip == "10.244.1.7"
     assert "host" not in _agent(default)["livenessProbe"]["grpc"]
-    assert settings.driver_root == "/driver-root" and not settings.gpu_clique_label_enabled
+    assert (settings.driver_root, settings.driver_root_mount) == ("/", "/driver-root")
+    # /proc/devices and /proc/driver/nvidia are not namespaced: the container's own /proc is the host's.
+    assert settings.proc_root == "/proc" and "PROC_ROOT" not in env
+    assert not settings.gpu_clique_label_enabled
 
 
 def test_values_reach_the_env() -> None:
@@ -218,7 +222,49 @@ def test_node_agent_daemonset(default: Rendered) -> None:
     ]:
         assert mounts[name]["mountPath"] == host_paths[name] == env[env_name]
     assert mounts["driver-root"]["readOnly"] is True
-    assert mounts["driver-root"]["mountPath"] == env["NVIDIA_DRIVER_ROOT"]
+    assert mounts["driver-root"]["mountPath"] == env["CONTAINER_DRIVER_ROOT"] == "/driver-root"
+    assert host_paths["driver-root"] == env["NVIDIA_DRIVER_ROOT"]
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [["nvidiaDriverRoot=/run/nvidia/driver"], ["kubeletPlugin.nvidiaDriverRoot=/run/nvidia/driver"]],
+    ids=["nvidiaDriverRoot", "older name"],
+)
+def test_gpu_operator_driver_root(sets: list[str]) -> None:
+    """The reference's value (and our older key) mounts the GPU Operator's driver root and names it as the
+    host path the base CDI spec uses."""
+    r = render(*sets)
+    pod = r.one("DaemonSet", component="kubelet-plugin")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "driver-root"]
+    assert volume["hostPath"]["path"] == "/run/nvidia/driver"
+    agent = load_settings(PluginSettings, environ=env_of(_agent(r), FIELDS))
+    assert (agent.driver_root, agent.driver_root_mount) == ("/run/nvidia/driver", "/driver-root")
+
+
+def test_operator_env_is_appended_and_replaces_the_charts() -> None:
+    agent_env = "kubeletPlugin.containers.computeDomains.env"
+    r = render(
+        f"{agent_env}[0].name=PROC_ROOT",
+        f"{agent_env}[0].value=/driver-root/proc",
+        f"{agent_env}[1].name=LOG_LEVEL",
+        f"{agent_env}[1].value=debug",
+        f"{agent_env}[2].name=MY_NODE",
+        f"{agent_env}[2].valueFrom.fieldRef.fieldPath=spec.nodeName",
+        "controller.containers.computeDomain.env[0].name=KUBE_API_QPS",
+        "controller.containers.computeDomain.env[0].value=7",
+    )
+    agent = _agent(r)
+    names = [e["name"] for e in agent["env"]]
+    assert len(names) == len(set(names)), "every name once"
+    assert names[-3:] == ["PROC_ROOT", "LOG_LEVEL", "MY_NODE"], "the operator's entries come last"
+    assert {"name": "MY_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in agent["env"]
+    settings = load_settings(PluginSettings, environ=env_of(agent, FIELDS))
+    assert settings.proc_root == "/driver-root/proc" and settings.log_level == "debug"
+    controller = _controller(r)
+    assert env_of(controller, FIELDS)["KUBE_API_QPS"] == "7"
+    assert load_settings(ControllerSettings, environ=env_of(controller, FIELDS)).kube_api_qps == 7.0
+    assert env_of(controller, FIELDS)["LOG_LEVEL"] == "info", "one container's env is not the other's"
 
 
 def test_only_the_node_agent_is_privileged() -> None:

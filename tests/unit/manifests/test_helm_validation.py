@@ -87,6 +87,13 @@ CASES = [
         "controller.leaderElection",
     ),
     (["kubeletPlugin.cdiRoot=var/run/cdi"], {"CDI_ROOT": "var/run/cdi"}, PluginSettings, "kubeletPlugin.cdiRoot"),
+    (["nvidiaDriverRoot=run/nvidia"], {"NVIDIA_DRIVER_ROOT": "run/nvidia"}, PluginSettings, "nvidiaDriverRoot"),
+    (
+        ["kubeletPlugin.nvidiaDriverRoot=run/nvidia"],
+        {"NVIDIA_DRIVER_ROOT": "run/nvidia"},
+        PluginSettings,
+        "kubeletPlugin.nvidiaDriverRoot",
+    ),
 ]
 
 
@@ -130,6 +137,40 @@ def test_set_string_false_is_false() -> None:
 )
 def test_valid_combinations_render(sets: list[str]) -> None:
     assert render(*sets).all("Deployment")
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ["nvidiaDriverRoot=/run/nvidia/driver", "kubeletPlugin.nvidiaDriverRoot=/opt/driver"],
+            "nvidiaDriverRoot '/run/nvidia/driver' and kubeletPlugin.nvidiaDriverRoot '/opt/driver' (its older name) "
+            "differ: set only nvidiaDriverRoot (values: nvidiaDriverRoot)",
+        ),
+        (
+            ["kubeletPlugin.containers.computeDomains.env[0].value=/x"],
+            "kubeletPlugin.containers.computeDomains.env[0]: every item is an EnvVar object with a name such as "
+            "{name: PROC_ROOT, value: /driver-root/proc} (values: kubeletPlugin.containers.computeDomains.env)",
+        ),
+        (
+            ["controller.containers.computeDomain.env=ADDITIONAL_NAMESPACES"],
+            "controller.containers.computeDomain.env must be a list of EnvVar objects",
+        ),
+        (
+            ["controller.containers.computeDomain.env[0].name=A", "controller.containers.computeDomain.env[1].name=A"],
+            "controller.containers.computeDomain.env[1]: A is listed twice; keep one entry",
+        ),
+        (
+            ["kubeletPlugin.containers.computeDomains.env[0].name=NVIDIA_DRIVER_ROOT"],
+            "kubeletPlugin.containers.computeDomains.env[0]: NVIDIA_DRIVER_ROOT follows the driver root the chart "
+            "mounts; set nvidiaDriverRoot instead",
+        ),
+    ],
+)
+def test_driver_root_and_env_values_are_checked(sets: list[str], message: str) -> None:
+    stderr = template_error(*sets)
+    (line,) = [ln for ln in stderr.splitlines() if message in ln]
+    assert line.startswith("Error: execution error at (compute-domain/templates/validate.yaml")
 
 
 def test_disabled_renders_nothing_and_skips_validation() -> None:

@@ -67,6 +67,32 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* The NVIDIA driver root as the host has it: nvidiaDriverRoot, or kubeletPlugin.nvidiaDriverRoot, its older
+     name (cd.validate refuses the two set to different roots). */}}
+{{- define "cd.driverRoot" -}}
+{{- with .Values.kubeletPlugin.nvidiaDriverRoot -}}{{ toString . }}{{- else -}}{{ toString (default "/" .Values.nvidiaDriverRoot) }}{{- end -}}
+{{- end -}}
+
+{{/* A container's env list: the chart's entries (.chart, YAML text) with the operator's (.user, EnvVar
+     objects) appended; an operator entry replaces the chart's of the same name, so every name appears once
+     (a duplicate would make the apiserver warn and a later upgrade's patch fail). A value given as a number
+     or boolean (`--set ...value=7`) becomes its text: EnvVar values are strings. */}}
+{{- define "cd.env" -}}
+{{- $names := dict -}}
+{{- $user := list -}}
+{{- range .user | default list -}}
+{{- $item := deepCopy . -}}
+{{- if hasKey $item "value" -}}{{- $_ := set $item "value" (ternary "" (toString $item.value) (kindIs "invalid" $item.value)) -}}{{- end -}}
+{{- $_ := set $names (toString $item.name) true -}}
+{{- $user = append $user $item -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range fromYamlArray .chart -}}
+{{- if not (hasKey $names .name) -}}{{- $out = append $out . -}}{{- end -}}
+{{- end -}}
+{{- toYaml (concat $out $user) -}}
+{{- end -}}
+
 {{/* Env shared by the controller and the node agent (computedomain/settings.py CommonSettings). */}}
 {{- define "cd.commonEnv" -}}
 - name: FEATURE_GATES

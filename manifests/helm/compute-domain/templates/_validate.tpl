@@ -108,8 +108,37 @@ and compares the text with SettingsError's.
 {{- if not (hasPrefix "/" $cdi) -}}
 {{- fail (printf "CDI_ROOT %s must be an absolute path (values: kubeletPlugin.cdiRoot)" (include "cd.repr" $cdi)) -}}
 {{- end -}}
-{{- $root := toString $v.kubeletPlugin.nvidiaDriverRoot -}}
+{{- $rootKey := "nvidiaDriverRoot" -}}
+{{- with $v.kubeletPlugin.nvidiaDriverRoot -}}
+{{- $rootKey = "kubeletPlugin.nvidiaDriverRoot" -}}
+{{- $top := toString (default "/" $v.nvidiaDriverRoot) -}}
+{{- if and (ne $top "/") (ne $top (toString .)) -}}
+{{- fail (printf "nvidiaDriverRoot %s and kubeletPlugin.nvidiaDriverRoot %s (its older name) differ: set only nvidiaDriverRoot (values: nvidiaDriverRoot)" (include "cd.repr" $top) (include "cd.repr" (toString .))) -}}
+{{- end -}}
+{{- end -}}
+{{- $root := include "cd.driverRoot" . -}}
 {{- if not (hasPrefix "/" $root) -}}
-{{- fail (printf "NVIDIA_DRIVER_ROOT %s must be an absolute path (values: kubeletPlugin.nvidiaDriverRoot)" (include "cd.repr" $root)) -}}
+{{- fail (printf "NVIDIA_DRIVER_ROOT %s must be an absolute path (values: %s)" (include "cd.repr" $root) $rootKey) -}}
+{{- end -}}
+
+{{- /* Operators' env lists: EnvVar objects, one entry per name; the driver root has its own value. */ -}}
+{{- $lists := dict "kubeletPlugin.containers.computeDomains.env" ((($v.kubeletPlugin.containers | default dict).computeDomains | default dict).env) "controller.containers.computeDomain.env" ((($v.controller.containers | default dict).computeDomain | default dict).env) -}}
+{{- range $key, $list := $lists -}}
+{{- if and $list (not (kindIs "slice" $list)) -}}
+{{- fail (printf "%s must be a list of EnvVar objects such as {name: PROC_ROOT, value: /driver-root/proc} (values: %s)" $key $key) -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- range $i, $item := $list -}}
+{{- if not (and (kindIs "map" $item) (kindIs "string" $item.name) (regexMatch "^[-._a-zA-Z][-._a-zA-Z0-9]*$" (toString $item.name))) -}}
+{{- fail (printf "%s[%d]: every item is an EnvVar object with a name such as {name: PROC_ROOT, value: /driver-root/proc} (values: %s)" $key $i $key) -}}
+{{- end -}}
+{{- if hasKey $seen $item.name -}}
+{{- fail (printf "%s[%d]: %s is listed twice; keep one entry (values: %s)" $key $i $item.name $key) -}}
+{{- end -}}
+{{- $_ := set $seen $item.name true -}}
+{{- if has $item.name (list "NVIDIA_DRIVER_ROOT" "CONTAINER_DRIVER_ROOT") -}}
+{{- fail (printf "%s[%d]: %s follows the driver root the chart mounts; set nvidiaDriverRoot instead (values: %s)" $key $i $item.name $key) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
