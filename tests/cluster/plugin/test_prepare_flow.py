@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME, GPU_CLIQUE_NODE_LABEL
 from tests.cluster.plugin.conftest import Harness, eventually
@@ -31,6 +32,11 @@ async def test_resourceslice_is_published_owned_by_the_node(harness: Harness) ->
         "channel-0": {"type": {"string": "channel"}, "id": {"int": 0}},
         "daemon-0": {"type": {"string": "daemon"}, "id": {"int": 0}},
     }
+    # The IMEX daemons' base CDI spec, from the node's driver root (host paths: the agent runs on the host here).
+    base = yaml.safe_load((node.cdi_dir / "k8s.compute-domain.nvidia.com-device_base.yaml").read_text())
+    mounts = {m["containerPath"]: m["hostPath"] for m in base["devices"][0]["containerEdits"]["mounts"]}
+    assert mounts["/usr/bin/nvidia-imex"] == str(node.root / "driver/usr/bin/nvidia-imex")
+    assert mounts["/usr/bin/nvidia-imex-ctl"] == str(node.root / "driver/usr/bin/nvidia-imex-ctl")
     # Kept current: deleted by hand, it comes back.
     harness.kubectl("delete", "resourceslice", f"{node.name}-{DRIVER_NAME}")
     back = await eventually(lambda: harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}"), what="re-created slice")

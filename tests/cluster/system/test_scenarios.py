@@ -92,6 +92,13 @@ async def test_domain_over_two_cliques_indices_unique_stable_and_agreed_through_
         for node, entry in members.items():
             assert first[f"{prefix}-{int(entry['index']):04d}"] == entry["ipAddress"] == pods[node]["status"]["podIP"]
 
+    # Each daemon runs the nvidia-imex of its node's driver root, mounted by the base CDI spec.
+    assert sim.runner is not None
+    for node in sim.topology.rack(0)[:2]:
+        worker = sim.runner.worker(sim.driver_ns, pods[node.name]["metadata"]["name"])
+        assert worker is not None
+        assert f"exec {node.root / 'usr/bin/nvidia-imex'} " in (worker.dir / "bin" / "nvidia-imex").read_text()
+
     before = indices(entries)
     victim = sim.topology.rack(1)[3]
     pod = pods[victim.name]

@@ -234,6 +234,10 @@ class SimCluster:
             f"kubeletPlugin.nodeSelector.{esc(SELECTOR_LABEL)}={self.id}",
             f"uninstall.namespaces={{{self.workload_ns}}}",
             f"logLevel={self.config.log_level}",
+            # The driver's /proc files live in each node's fake driver root (the chart's default
+            # nvidiaDriverRoot "/", the node's tree), which the agent sees at /driver-root.
+            "kubeletPlugin.containers.computeDomains.env[0].name=PROC_ROOT",
+            "kubeletPlugin.containers.computeDomains.env[0].value=/driver-root/proc",
         ]
         if self.get("deviceclass", CHANNEL_DEVICE_CLASS) is not None:
             values.append("resources.computeDomains.deviceClasses=false")
