@@ -3,14 +3,14 @@
 This module owns
 - the data types every hardware source produces (driver version, per-GPU fabric info, device majors,
   the ``fabric-imex-mgmt`` capability),
-- the two injected collaborators: ``FabricSource`` (NVML, or the simulator's topology file) and
+- the two injected collaborators: ``FabricSource`` (NVML of the driver root; unit tests pass plain data) and
   ``ProcSource`` (the driver's ``/proc`` files), and the ``HardwareDiscovery`` view the node agent and the
   IMEX daemon use,
 - the pure rules on top of them: driver version parsing and the ``>= 570.158.01`` requirement for DNS
   names (SPEC section 3 rule 6), and the clique-ID derivation from per-GPU fabric info (SPEC section 6),
 - the error classes of the hardware side. Every message is one line.
 
-No I/O happens here; ``imex.procfs``, ``imex.nvml`` and ``imex.simulated`` do it. Everything is
+No I/O happens here; ``imex.procfs``, ``imex.nvml`` and ``imex.driver_root`` do it. Everything is
 synchronous: NVML and ``/proc`` reads are quick, and callers on an event loop wrap them in
 ``asyncio.to_thread``.
 """

@@ -8,8 +8,8 @@ This module owns
 - ``/proc/driver/nvidia/capabilities/fabric-imex-mgmt``: ``DeviceFileMinor`` / ``DeviceFileMode`` /
   ``DeviceFileModify``.
 
-Every path is relative to an injectable root, so tests and the simulated cluster point it at a fake driver
-root (``imex.simulated.write_fake_driver_root``). A malformed file is an error naming the file and line:
+Every path is relative to an injectable root (``PROC_ROOT``'s parent), so test nodes point it at their fake
+driver root's ``proc/``. A malformed file is an error naming the file and line:
 a wrong major silently injects the wrong device into every workload, so guessing is worse than failing.
 Reads are synchronous and cheap; nothing is cached (a driver reload may change majors).
 """
