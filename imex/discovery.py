@@ -269,7 +269,7 @@ def imex_channel_path(channel: int) -> str:
 
 
 class FabricSource(Protocol):
-    """Where the driver version and per-GPU fabric info come from: NVML, or the simulator's topology."""
+    """Where the driver version and per-GPU fabric info come from: NVML (``imex.nvml``)."""
 
     def driver_version(self) -> DriverVersion: ...
 
