@@ -5,7 +5,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help install testbin cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds manifests bench bench-controller bench-plugin
+.PHONY: help install testbin image cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds manifests bench bench-controller bench-plugin
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv with the pinned Python dependencies (idempotent)
 
-testbin: ## build etcd, kube-*, kubectl, kwok and helm from the Go module proxy (cached by version)
+testbin: ## build the control plane, helm and the real nodes' kubelet, containerd, runc (cached by version)
 	@testbin/build.sh >/dev/null
+
+image: install testbin ## the project's image as an OCI archive, without Docker (cached by content; prints size)
+	@$(PY) -m tests.testbed.image
 
 cluster-up: install testbin ## start the local control plane; kubeconfig at .cluster/kubeconfig
 	@$(PY) -m tests.testbed.cluster up

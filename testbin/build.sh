@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Builds the test bed's control plane from the Go module proxy and caches the binaries.
+# Builds the test bed's binaries and caches them: the control plane and helm from the Go module proxy,
+# and for the real nodes the kubelet, containerd (+ ctr and the runc shim), the pause program, and runc,
+# the CNI plugins and mmdebstrap unpacked from Debian packages (nothing is installed system-wide).
 #
 #   testbin/build.sh            build whatever is missing, print the bin directory last
 #   testbin/build.sh --print    print the bin directory without building
 #
-# Each tool has its own Go module here (go.mod + go.sum only). Binaries land in
-#   ${XDG_CACHE_HOME:-~/.cache}/computedomain-testbin/<key>/
-# where <key> covers the tool versions, the Go version and a hash of the module files and this script,
-# so a warm run is a few stat calls and a version bump rebuilds exactly what changed.
+# Each Go tool has its own module here (go.mod + go.sum; the pause program also its main.go). Every set of
+# binaries lands in its own directory under
+#   ${XDG_CACHE_HOME:-~/.cache}/computedomain/testbin/<set>-<version>-<go version>-<digest>/
+# where the digest covers that set's module files and build flags, so a version bump rebuilds exactly the
+# set that changed. The printed bin directory holds links to every binary of the current sets.
+#
+# Several checkouts share the cache, each possibly at another version: a set is removed only when no
+# checkout has used it for PRUNE_DAYS days (every use touches its `.used` stamp).
 set -euo pipefail
+shopt -s nullglob
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # -mod=readonly: build exactly what go.sum pins; never resolve anything new at build time.
 export GOTOOLCHAIN=local GOFLAGS=-mod=readonly CGO_ENABLED=0
+PRUNE_DAYS=5
 
 K8S_VERSION=v1.36.3
 # The version a module requires, read from its go.mod (the require lines sit inside a block).
@@ -20,39 +28,13 @@ required() { awk -v m="$2" '$1==m {print $2; exit}' "$here/$1/go.mod"; }
 ETCD_VERSION=$(required etcd go.etcd.io/etcd/server/v3)
 KWOK_VERSION=$(required kwok sigs.k8s.io/kwok)
 HELM_VERSION=$(required helm helm.sh/helm/v3)
+CONTAINERD_VERSION=$(required containerd github.com/containerd/containerd/v2)
+# From Debian (bookworm): what needs cgo (runc), is plain files (CNI plugins), or is a Perl program
+# (mmdebstrap, which tests/testbed/image.py runs to lay out the image's root filesystem).
+DEBIAN_PACKAGES=(runc containernetworking-plugins mmdebstrap)
 
 go_version=$(go env GOVERSION)
-digest=$(cat "$here"/*/go.mod "$here"/*/go.sum "$here/build.sh" | sha256sum | cut -c1-12)
-cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/computedomain-testbin
-bin="$cache_root/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION-$go_version-$digest"
-
-if [[ "${1:-}" == "--print" ]]; then
-  echo "$bin"
-  exit 0
-fi
-
-mkdir -p "$bin"
-log() { printf '[testbin %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-
-have() {
-  local f
-  for f in "$@"; do [[ -x "$bin/$f" ]] || return 1; done
-}
-
-# Builds into a scratch directory and renames, so an interrupted build never leaves a half binary.
-build() {
-  local name=$1 module_dir=$2 ldflags=$3
-  shift 3
-  local tmp
-  tmp=$(mktemp -d "$bin/.build-XXXXXX")
-  log "building $name (cold builds take a while on 2 cores; warm ones reuse the Go build cache)"
-  local start=$SECONDS
-  (cd "$here/$module_dir" && go build -trimpath -pgo=off -ldflags "$ldflags" -o "$tmp/" "$@")
-  local f
-  for f in "$tmp"/*; do mv -f "$f" "$bin/"; done
-  rmdir "$tmp"
-  log "built $name in $((SECONDS - start))s"
-}
+cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/computedomain/testbin
 
 k8s_minor=${K8S_VERSION#v1.}; k8s_minor=${k8s_minor%%.*}
 k8s_ldflags="-s -w"
@@ -60,25 +42,122 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   k8s_ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$k8s_minor"
   k8s_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
-helm_minor=$k8s_minor
 helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-helm_ldflags+=" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$helm_minor"
-helm_ldflags+=" -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$helm_minor"
+helm_ldflags+=" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$k8s_minor"
+helm_ldflags+=" -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$k8s_minor"
 kwok_ldflags="-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
 etcd_ldflags="-s -w"
+containerd_ldflags="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
+containerd_ldflags+=" -X github.com/containerd/containerd/v2/version.Revision=testbed"
+# No snapshotters that need cgo or host tools; the nodes use overlayfs.
+containerd_tags="no_btrfs no_devmapper no_zfs"
 
-# go names the etcd server binary after its module ("server"); the test bed calls it etcd.
-have etcd || { build "etcd $ETCD_VERSION" etcd "$etcd_ldflags" go.etcd.io/etcd/server/v3 && mv -f "$bin/server" "$bin/etcd"; }
-have kwok || build "kwok $KWOK_VERSION" kwok "$kwok_ldflags" sigs.k8s.io/kwok/cmd/kwok
-have helm || build "helm $HELM_VERSION" helm "$helm_ldflags" helm.sh/helm/v3/cmd/helm
-have kube-apiserver kube-controller-manager kube-scheduler kubectl ||
-  build "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION" k8s "$k8s_ldflags" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+# name -> "module_dir|version|ldflags|tags|packages..." ; the digest of a set covers all of it.
+declare -A recipe=(
+  [etcd]="etcd|$ETCD_VERSION|$etcd_ldflags||go.etcd.io/etcd/server/v3"
+  [kwok]="kwok|$KWOK_VERSION|$kwok_ldflags||sigs.k8s.io/kwok/cmd/kwok"
+  [helm]="helm|$HELM_VERSION|$helm_ldflags||helm.sh/helm/v3/cmd/helm"
+  [k8s]="k8s|$K8S_VERSION|$k8s_ldflags||k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kubelet"
+  [containerd]="containerd|$CONTAINERD_VERSION|$containerd_ldflags|$containerd_tags|github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/ctr"
+  [pause]="pause|v1|-s -w||."
+)
+# The binaries each set provides (and links into the bin directory).
+declare -A provides=(
+  [etcd]="etcd" [kwok]="kwok" [helm]="helm"
+  [k8s]="kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet"
+  [containerd]="containerd containerd-shim-runc-v2 ctr" [pause]="pause"
+  [debian]="runc cni mmdebstrap"
+)
+sets=(etcd kwok helm k8s containerd pause debian)
 
-# Binaries of other versions are dead weight (about 0.5 GB each): keep only the current set.
+declare -A dir
+for name in "${!recipe[@]}"; do
+  IFS='|' read -r module version _ <<<"${recipe[$name]}"
+  digest=$( (cat "$here/$module"/go.*[dm] "$here/$module"/*.go; echo "${recipe[$name]}") | sha256sum | cut -c1-12)
+  dir[$name]="$cache_root/$name-$version-$go_version-$digest"
+done
+dir[debian]="$cache_root/debian-bookworm-$(echo "${DEBIAN_PACKAGES[*]}" | sha256sum | cut -c1-12)"
+bin="$cache_root/bin-$(for s in "${sets[@]}"; do echo "${dir[$s]}"; done | sha256sum | cut -c1-12)"
+
+if [[ "${1:-}" == "--print" ]]; then
+  echo "$bin"
+  exit 0
+fi
+
+log() { printf '[testbin %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+have() {
+  local d=$1 f
+  shift
+  for f in "$@"; do [[ -e "$d/$f" ]] || return 1; done
+}
+
+# Builds into a scratch directory and renames, so an interrupted build never leaves a half binary.
+build_go() {
+  local name=$1 d=${dir[$1]} module version ldflags tags packages tmp start f
+  IFS='|' read -r module version ldflags tags packages <<<"${recipe[$name]}"
+  mkdir -p "$d"
+  tmp=$(mktemp -d "$d/.build-XXXXXX")
+  log "building $name $version (cold builds take minutes on 2 cores; warm ones reuse the Go build cache)"
+  start=$SECONDS
+  # shellcheck disable=SC2086 # packages is a list
+  (cd "$here/$module" && go build -trimpath -pgo=off -tags "$tags" -ldflags "$ldflags" -o "$tmp/" $packages)
+  # go names the etcd server binary after its module ("server") and the pause program after its module.
+  [[ -e "$tmp/server" ]] && mv "$tmp/server" "$tmp/etcd"
+  [[ "$name" == pause ]] && mv "$tmp"/* "$tmp/pause.tmp" && mv "$tmp/pause.tmp" "$tmp/pause"
+  for f in "$tmp"/*; do mv -f "$f" "$d/"; done
+  rmdir "$tmp"
+  log "built $name in $((SECONDS - start))s"
+}
+
+# Debian packages unpacked (dpkg -x) into the cache; the machine's package database is not touched.
+fetch_debian() {
+  local d=${dir[debian]} tmp start deb
+  mkdir -p "$d"
+  tmp=$(mktemp -d "$d/.fetch-XXXXXX")
+  start=$SECONDS
+  log "fetching ${DEBIAN_PACKAGES[*]} from Debian"
+  if ! (cd "$tmp" && apt-get download -q "${DEBIAN_PACKAGES[@]}" >/dev/null 2>&1); then
+    # A machine whose package lists are missing or stale: refresh them, then try once more.
+    apt-get update -qq >/dev/null
+    (cd "$tmp" && apt-get download -q "${DEBIAN_PACKAGES[@]}" >/dev/null)
+  fi
+  mkdir -p "$tmp/root"
+  for deb in "$tmp"/*.deb; do dpkg -x "$deb" "$tmp/root"; done
+  (cd "$tmp" && ls -1 ./*.deb) >"$tmp/root/PACKAGES"
+  rm -f "$tmp"/*.deb
+  ln -sfn root/usr/sbin/runc "$tmp/runc"
+  ln -sfn root/usr/lib/cni "$tmp/cni"
+  ln -sfn root/usr/bin/mmdebstrap "$tmp/mmdebstrap"
+  rm -rf "$d/root"
+  for f in root runc cni mmdebstrap; do mv -f -T "$tmp/$f" "$d/$f"; done
+  rm -rf "$tmp"
+  log "unpacked Debian packages in $((SECONDS - start))s"
+}
+
+for name in "${sets[@]}"; do
+  # shellcheck disable=SC2086 # provides is a list
+  if ! have "${dir[$name]}" ${provides[$name]}; then
+    if [[ $name == debian ]]; then fetch_debian; else build_go "$name"; fi
+  fi
+  touch "${dir[$name]}/.used"
+done
+
+mkdir -p "$bin"
+for name in "${sets[@]}"; do
+  for f in ${provides[$name]}; do ln -sfn "${dir[$name]}/$f" "$bin/$f"; done
+done
+touch "$bin/.used"
+
+# Remove sets no checkout has used for PRUNE_DAYS days (about 0.5 GB per control-plane set).
 for old in "$cache_root"/*/; do
-  [[ "${old%/}" == "$bin" ]] || { log "removing outdated $(basename "$old")"; rm -rf "$old"; }
+  old=${old%/}
+  if [[ ! -e "$old/.used" ]] || [[ -n $(find "$old/.used" -mtime +"$PRUNE_DAYS" 2>/dev/null) ]]; then
+    # A set without a stamp may be one another checkout is building right now: only stale ones go.
+    [[ -e "$old/.used" ]] || [[ -n $(find "$old" -maxdepth 0 -mmin +600 2>/dev/null) ]] || continue
+    log "removing $(basename "$old") (unused for $PRUNE_DAYS days)"
+    rm -rf "$old"
+  fi
 done
 
 log "all binaries present in $bin"
