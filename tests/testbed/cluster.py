@@ -44,6 +44,18 @@ DEFAULT_ROOT = REPO / ".cluster"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_STAGES = Path(__file__).with_name("kwok-stages.yaml")
 START_TIMEOUT = 180.0
+# Bumped when the components' flags change, so a running cluster started with older flags is replaced.
+CONFIG_GENERATION = 2
+EGRESS_SELECTOR = """apiVersion: apiserver.k8s.io/v1beta1
+kind: EgressSelectorConfiguration
+egressSelections:
+- name: cluster
+  connection:
+    proxyProtocol: HTTPConnect
+    transport:
+      uds:
+        udsName: {socket}
+"""
 
 
 def log(message: str) -> None:
@@ -127,6 +139,9 @@ class LocalCluster:
         self.logs = root / "logs"
         self.state_file = root / "state.json"
         self.kubeconfig = root / "kubeconfig"
+        self.egress_config = root / "egress-selector.yaml"
+        # Where the real nodes' egress proxy listens while they run (tests/testbed/realnode/netd.py).
+        self.egress_socket = root / "egress.sock"
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -169,6 +184,8 @@ class LocalCluster:
         state = self.state()
         if state is None or not state.get("ready") or not all(_alive(pid) for pid in state["pids"].values()):
             return False
+        if state.get("generation", 1) != CONFIG_GENERATION:
+            return False
         deadline = time.monotonic() + patience
         while True:
             if self._get(f"{self.server}/readyz", timeout=5.0)[0] == 200:
@@ -203,6 +220,7 @@ class LocalCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         make_pki(self.pki)
+        self.egress_config.write_text(EGRESS_SELECTOR.format(socket=self.egress_socket))
         ports = {name: free_port() for name in
                  ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok")}  # fmt: skip
         server = f"https://127.0.0.1:{ports['apiserver']}"
@@ -222,7 +240,8 @@ class LocalCluster:
         except BaseException:
             self._down(quiet=True)
             raise
-        self.state_file.write_text(json.dumps({"ports": ports, "pids": pids, "bin": str(bin_dir), "ready": True}))
+        self.state_file.write_text(json.dumps({"ports": ports, "pids": pids, "bin": str(bin_dir), "ready": True,
+                                               "generation": CONFIG_GENERATION}))  # fmt: skip
         log(f"cluster up in {time.monotonic() - start:.1f}s: {server}")
         return True
 
@@ -249,6 +268,12 @@ class LocalCluster:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=Node,RBAC",
+                # Real nodes (tests/testbed/realnode) join with node certificates: the Node authorizer and
+                # NodeRestriction judge their kubelets. The apiserver reaches a kubelet at its InternalIP
+                # through the real nodes' egress proxy (their network namespaces are not the host's).
+                "--enable-admission-plugins=NodeRestriction",
+                "--kubelet-preferred-address-types=InternalIP",
+                f"--egress-selector-config-file={self.egress_config}",
                 # The apiserver listens on loopback only, which the kubernetes Endpoints may not contain.
                 "--endpoint-reconciler-type=none",
                 # ConfigMaps bypass the watch cache, so tests can make a resourceVersion expire for real
