@@ -16,9 +16,9 @@ understand, so the two cannot drift apart (a unit test builds nothing and checks
 
 Three layers, each cached under `${XDG_CACHE_HOME:-~/.cache}/computedomain/image/` by a digest of its own
 inputs, so a code change repacks only the small project layer: base (Debian, the user), dependencies (the
-venv with the wheels), project (computedomain, imex, their entry points). The base root filesystem stays
-unpacked in the cache too: the real-node test bed uses it as the lower layer of each node's fake driver
-root (the Python that runs the IMEX simulator there).
+venv with the wheels), project (computedomain, imex, their entry points). Each layer's tree stays
+unpacked in the cache too: the real-node test bed stacks them as the lower layers of each
+node's fake driver root (the Python and the `imex` package that run the IMEX simulator there).
 """
 
 from __future__ import annotations
@@ -246,7 +246,9 @@ def _run(argv: list[str], **kwargs: object) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
     if result.returncode != 0:
         output = (result.stdout + result.stderr).strip()
-        raise RuntimeError(f"{' '.join(argv[:6])} ... failed ({result.returncode}):\n{output[:1500]}\n...\n{output[-1500:]}")
+        raise RuntimeError(
+            f"{' '.join(argv[:6])} ... failed ({result.returncode}):\n{output[:1500]}\n...\n{output[-1500:]}"
+        )
 
 
 def _cached_layer(key_dir: Path, build: Callable[[Path], Layer]) -> Layer:
@@ -313,12 +315,12 @@ def _pip(*args: str) -> list[str]:
 def deps_layer(spec: ImageSpec) -> Layer:
     """The venv: its skeleton (python -> Debian's python3) and the dependencies as wheels from PyPI."""
     deps = dependencies()
-    key = _digest("deps", 1, spec.python, spec.venv, deps, WHEEL_PLATFORMS)
+    key = _digest("deps", 2, spec.python, spec.venv, deps, WHEEL_PLATFORMS)
     py = f"python{spec.python}"
 
     def build(out: Path) -> Layer:
-        tree = out / "venv"
-        shutil.rmtree(tree, ignore_errors=True)
+        shutil.rmtree(out / "tree", ignore_errors=True)
+        tree = out / "tree" / spec.venv.strip("/")
         site = tree / "lib" / py / "site-packages"
         log(f"{len(deps)} dependencies as wheels from PyPI")
         _run(_pip("install", "--only-binary=:all:", "--no-compile", "--target", str(site),
@@ -333,7 +335,7 @@ def deps_layer(spec: ImageSpec) -> Layer:
             f"home = /usr/bin\ninclude-system-site-packages = false\nversion = {spec.python}\n"
             f"executable = /usr/bin/{py}\ncommand = /usr/bin/{py} -m venv {spec.venv}\n"
         )
-        return write_layer(tree, out / "layer.tar.gz", prefix=spec.venv)
+        return write_layer(out / "tree", out / "layer.tar.gz")
 
     return _cached_layer(CACHE / f"deps-{key}", build)
 
@@ -348,12 +350,12 @@ def _compile(site: Path, spec: ImageSpec) -> None:
 
 def project_layer(spec: ImageSpec) -> Layer:
     """computedomain and imex, built from this checkout, and their entry points in the venv's bin."""
-    key = _digest("project", 1, spec.python, spec.venv, _source_digest(), entry_points())
+    key = _digest("project", 2, spec.python, spec.venv, _source_digest(), entry_points())
     py = f"python{spec.python}"
 
     def build(out: Path) -> Layer:
-        tree = out / "venv"
-        shutil.rmtree(tree, ignore_errors=True)
+        shutil.rmtree(out / "tree", ignore_errors=True)
+        tree = out / "tree" / spec.venv.strip("/")
         site = tree / "lib" / py / "site-packages"
         with _scratch_copy() as src:
             _run(_pip("install", "--no-deps", "--no-compile", "--target", str(site), str(src)))
@@ -368,7 +370,7 @@ def project_layer(spec: ImageSpec) -> Layer:
                 f"    sys.exit({func}())\n"
             )
             script.chmod(0o755)
-        return write_layer(tree, out / "layer.tar.gz", prefix=spec.venv)
+        return write_layer(out / "tree", out / "layer.tar.gz")
 
     return _cached_layer(CACHE / f"project-{key}", build)
 
@@ -396,7 +398,7 @@ class Built:
     archive: Path
     name: str
     size: int  # compressed: layers + config + manifest
-    rootfs: Path  # the unpacked base layer (Debian + python3)
+    lowers: list[Path]  # the unpacked layers, topmost first (an overlay's lowerdir= order)
     seconds: float
     rebuilt: bool
 
@@ -406,6 +408,7 @@ def build(dockerfile: Path = DOCKERFILE) -> Built:
     spec = parse_dockerfile(dockerfile.read_text())
     rootfs, base = base_rootfs(spec)
     layers = [base, deps_layer(spec), project_layer(spec)]
+    lowers = [la.path.parent / "tree" for la in reversed(layers[1:])] + [rootfs]
     name = image_name()
     config = ImageConfig(
         env=[f"{k}={v}" for k, v in spec.env.items()], cmd=spec.cmd, labels=spec.labels, working_dir="/"
@@ -419,7 +422,7 @@ def build(dockerfile: Path = DOCKERFILE) -> Built:
         (out / "size").write_text(str(size))
     (out / ".used").touch()
     _prune()
-    return Built(archive, name, int((out / "size").read_text()), rootfs, time.monotonic() - start, rebuilt)
+    return Built(archive, name, int((out / "size").read_text()), lowers, time.monotonic() - start, rebuilt)
 
 
 def _prune() -> None:

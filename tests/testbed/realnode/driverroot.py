@@ -1,36 +1,35 @@
 """A real node's fake NVIDIA driver root: what a GB200 node's driver installation offers, without the hardware.
 
-The node's driver root is an overlay mounted inside the node's mount namespace: the lower layer is the
-image's Debian root filesystem (a Python 3 for the IMEX simulator, the usual `bin -> usr/bin` links), the
-upper layer this node's own files, written by `lay_out`:
+The root is an overlay mounted inside the node's mount namespace (`nodes`). Its lower layers are the
+service image's unpacked layers (`tests.testbed.image`): Debian's Python 3 and the `imex` package, which the
+IMEX simulator needs wherever it runs (in a chroot into this root: the node agent's hostManaged check, and
+the node's own IMEX service). Its upper layer holds this node's own files, written by `lay_out` through
+`tests.testbed.fake_driver_root`, exactly as for the simulated nodes:
 
-- `proc/devices`, `proc/driver/nvidia/params`, the `fabric-imex-mgmt` capability (`imex.simulated`), with a
-  channel major and channel count of the node's own, so a test can tell a real read from a default;
-- `usr/bin/nvidia-imex` and `usr/bin/nvidia-imex-ctl`: the IMEX simulator as self-contained zipapps (the
-  simulator and the `imex` package it reads its config with; standard library only) with a `/usr/bin/python3`
-  shebang. They run wherever that Python exists: in the daemon container (the image's), in a chroot into
-  this root (the node agent's hostManaged check), and on the "host" (the node's systemd-like IMEX service);
-- `etc/nvidia-imex/`: the host IMEX service's config for hostManaged mode (`nodes_config.cfg` lists the
-  nodes' IPs; the command socket is `etc/nvidia-imex/imex_ctrl.sock`).
+- the driver's `/proc` files, with a channel major and a channel count of the node's own, so a test can tell
+  a real read from a default (`DriverFacts`);
+- the mock `libnvidia-ml.so.1` and its answers (both nodes in one NVLink clique), with the root's
+  `ld.so.cache`;
+- `usr/bin/nvidia-imex` and `usr/bin/nvidia-imex-ctl` (the simulator as zip applications run by
+  `/usr/bin/env python3`), which the node agent's base CDI spec hands to the IMEX daemon containers;
+- `etc/nvidia-imex/`: the host IMEX service's config for hostManaged mode (its peers are the nodes' IPs; the
+  command socket is `/etc/nvidia-imex/imex_ctrl.sock` inside the root).
 """
 
 from __future__ import annotations
 
-import io
-import zipfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from imex.config import render_imexd_cfg, render_nodes_cfg_ips
-from imex.simulated import write_fake_driver_root
+from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
 
-REPO = Path(__file__).resolve().parents[3]
-SIMULATOR = {
-    "nvidia-imex": "tests.testbed.imex_simulator.imexd",
-    "nvidia-imex-ctl": "tests.testbed.imex_simulator.ctl",
-}
 IMEX_DIR = "etc/nvidia-imex"
 SOCKET = "/etc/nvidia-imex/imex_ctrl.sock"
+# Every real node of a test bed is a tray of this one rack.
+CLUSTER_UUID = uuid.UUID("5f1c0a8e-3b6d-4c2a-9e7f-1d2c3b4a5e6f")
+CLIQUE_ID = 7
 
 
 @dataclass(frozen=True)
@@ -40,29 +39,21 @@ class DriverFacts:
     channels_major: int
     channel_count: int
 
-
-def simulator_zipapp(module: str) -> bytes:
-    """The IMEX simulator as one executable file: `#!/usr/bin/python3` + a zip of its modules."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for package in (REPO / "imex", REPO / "tests" / "testbed" / "imex_simulator"):
-            for path in sorted(package.rglob("*.py")):
-                archive.write(path, path.relative_to(REPO).as_posix())
-        for init in ("tests/__init__.py", "tests/testbed/__init__.py"):
-            archive.writestr(init, "")
-        archive.writestr("__main__.py", f"import sys\nfrom {module} import main\n\nsys.exit(main())\n")
-    return b"#!/usr/bin/python3\n" + buffer.getvalue()
+    @property
+    def clique(self) -> str:
+        return f"{CLUSTER_UUID}.{CLIQUE_ID}"
 
 
-def lay_out(upper: Path, facts: DriverFacts, *, node_ip: str, peer_ips: list[str]) -> None:
+def lay_out(upper: Path, name: str, facts: DriverFacts, *, node_ip: str, peer_ips: list[str]) -> None:
     """Write this node's files into the overlay's upper directory."""
-    write_fake_driver_root(upper, channels_major=facts.channels_major, imex_channel_count=facts.channel_count)
-    bin_dir = upper / "usr" / "bin"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    for name, module in SIMULATOR.items():
-        path = bin_dir / name
-        path.write_bytes(simulator_zipapp(module))
-        path.chmod(0o755)
+    node = SimulatedNode(name=name, clique=SimulatedClique(cluster_uuid=CLUSTER_UUID, clique_id=CLIQUE_ID))
+    write_fake_driver_root(
+        upper,
+        node,
+        interpreter="/usr/bin/env python3",
+        channels_major=facts.channels_major,
+        imex_channel_count=facts.channel_count,
+    )
     conf = upper / IMEX_DIR
     conf.mkdir(parents=True, exist_ok=True)
     (conf / "nodes_config.cfg").write_text(render_nodes_cfg_ips(peer_ips))

@@ -16,7 +16,8 @@ that was killed is cleaned up by the next `up` or `down`):
   bound over `/run` (containerd's sockets and shims, runc's state, `/var/run/cdi`), `/var/lib` (kubelet,
   CNI, containerd's root) and `/var/log` (pod logs), and files with the kubelet's expected values over
   `vm.overcommit_memory`, `kernel.panic` and `kernel.panic_on_oops` (`protectKernelDefaults: true`: the kubelet
-  checks them instead of writing the machine's). The driver root is an overlay (see `driverroot`).
+  checks them instead of writing the machine's). The driver root is an overlay at /run/nvidia/driver
+  (see `driverroot`).
 - **cgroups**: each kubelet gets `cgroupRoot` `<this process' cgroup>/cdtb-<id>-<node>`, created in every
   hierarchy beforehand (cpuset values copied), so two kubelets never clean up each other's pods.
 - **identity**: a client certificate `CN=system:node:<name>, O=system:nodes` from the test bed's CA: the Node
@@ -52,13 +53,19 @@ SERVICE_IP = "10.96.0.1"
 HUB_IP = "198.18.0.1"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 SET_LABEL = "realnode.testbed.computedomain/set"
+# Where each node's fake driver root is mounted inside its namespace: the GPU Operator's driver container
+# path, the same on every node, so one chart value (nvidiaDriverRoot) serves them all.
+DRIVER_ROOT = "/run/nvidia/driver"
 # The kubelet's expectations under protectKernelDefaults, where this machine may differ.
 KERNEL_DEFAULTS = {"vm/overcommit_memory": "1", "kernel/panic": "10", "kernel/panic_on_oops": "1"}
 CGROUP_FS = Path("/sys/fs/cgroup")
 READY_TIMEOUT = 120.0
 # Namespace holders: no inherited stdio (a caller's pipe would stay open as long as they live).
 _DETACHED: dict[str, Any] = {
-    "stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "start_new_session": True
+    "stdin": subprocess.DEVNULL,
+    "stdout": subprocess.DEVNULL,
+    "stderr": subprocess.DEVNULL,
+    "start_new_session": True,
 }
 
 
@@ -151,8 +158,9 @@ class Node:
         return node_ip(self.index)
 
     @property
-    def driver_root(self) -> Path:
-        return self.dir / "driver"
+    def driver_upper(self) -> Path:
+        """The node's own layer of its driver root (writable from the host; the overlay shows changes)."""
+        return self.dir / "driver.upper"
 
     @property
     def cdi_dir(self) -> Path:
@@ -362,13 +370,13 @@ class RealNodes:
     def _start_node(self, node: Node) -> None:
         assert self.state is not None and self.state.hub is not None and self.bin is not None and self.image
         d = node.dir
-        for sub in ("run", "var-lib", "var-log", "logs", "pki", "cni", "opt", "sysctl", "driver", "driver.upper",
-                    "driver.work", "volume-plugins"):  # fmt: skip
+        for sub in ("run", "var-lib", "var-log", "logs", "pki", "cni", "opt", "sysctl", "driver.upper",
+                    "driver.work", "volume-plugins", DRIVER_ROOT.lstrip("/")):  # fmt: skip
             (d / sub).mkdir(parents=True, exist_ok=True)
         for key, value in KERNEL_DEFAULTS.items():
             (d / "sysctl" / key.replace("/", ".")).write_text(value + "\n")
-        peers = [n.ip for n in self.state.nodes]
-        driverroot.lay_out(d / "driver.upper", node.facts, node_ip=node.ip, peer_ips=peers)
+        peers = [node_ip(i) for i in range(self.count)]
+        driverroot.lay_out(d / "driver.upper", node.name, node.facts, node_ip=node.ip, peer_ips=peers)
         self._make_cgroups(node)
         self._node_cert(node)
         self._write_configs(node)
@@ -389,8 +397,11 @@ class RealNodes:
         ]
         mounts.append(
             "mount -t overlay overlay -o "
-            + shlex.quote(f"lowerdir={self.image.rootfs},upperdir={d / 'driver.upper'},workdir={d / 'driver.work'}")
-            + f" {shlex.quote(str(node.driver_root))}"
+            + shlex.quote(
+                f"lowerdir={':'.join(map(str, self.image.lowers))},upperdir={d / 'driver.upper'},"
+                f"workdir={d / 'driver.work'}"
+            )
+            + f" {DRIVER_ROOT}"
         )
         # A private namespace made shared: its mounts propagate among themselves (hostPath mounts with
         # HostToContainer propagation need that), never to the machine's namespace.
@@ -565,10 +576,10 @@ class RealNodes:
             return
         with (node.logs / "host-imex.log").open("ab") as out:
             proc = subprocess.Popen(
-                [*node.nsenter(), "chroot", str(node.driver_root), "/usr/bin/nvidia-imex", "-c",
+                [*node.nsenter(), "chroot", DRIVER_ROOT, "/usr/bin/nvidia-imex", "-c",
                  "/etc/nvidia-imex/config.cfg"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                env={"PATH": "/usr/bin:/bin", "IMEX_SIM_NODE_IP": node.ip},
+                env={"PATH": "/opt/venv/bin:/usr/bin:/bin", "IMEX_SIM_NODE_IP": node.ip},
             )  # fmt: skip
         node.host_imex = Proc.of(proc.pid)
         self._save()
