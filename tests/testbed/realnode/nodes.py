@@ -655,6 +655,7 @@ class RealNodes:
                 Path(path).rmdir()
         if names and self.cluster.healthy(patience=2.0):
             self.cluster.kubectl("delete", "nodes", *names, "--ignore-not-found", "--wait=false", check=False)
+            self._forget_releases(state.id)
         for node in state.nodes:
             if _mounted_below(node.dir):
                 raise RealNodeError(f"mounts remain below {node.dir}; not deleting it")
@@ -663,6 +664,21 @@ class RealNodes:
         if leftovers:
             raise RealNodeError(f"cgroups could not be removed: {leftovers[:5]}")
         log(f"real nodes {', '.join(names) or '-'} removed")
+
+    def _forget_releases(self, set_id: str) -> None:
+        """What a release on these nodes leaves when its run was killed: the release (uninstalled without
+        hooks: its controller is gone with the nodes), ComputeDomains nobody finalizes, the namespaces."""
+        helm = [str(self.cluster.root / "bin" / "helm"), f"--kubeconfig={self.cluster.kubeconfig}"]
+        namespaces = [f"{set_id}-{suffix}" for suffix in ("driver", "host", "work")]
+        for ns in namespaces:
+            listed = subprocess.run([*helm, "list", "-q", "-n", ns], capture_output=True, text=True, timeout=60)
+            for release in listed.stdout.split():
+                subprocess.run([*helm, "uninstall", release, "-n", ns, "--no-hooks"], capture_output=True, timeout=120)
+            cds = self.cluster.kubectl("get", "computedomains", "-n", ns, "-o", "name", check=False).stdout.split()
+            for cd in cds:
+                self.cluster.kubectl("patch", cd, "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
+                                     check=False)  # fmt: skip
+        self.cluster.kubectl("delete", "namespace", *namespaces, "--ignore-not-found", "--wait=false", check=False)
 
     def _pods_on(self, name: str) -> bool:
         result = self.cluster.kubectl("get", "pods", "-A", f"--field-selector=spec.nodeName={name}", "-o", "name",

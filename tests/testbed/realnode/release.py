@@ -29,13 +29,14 @@ INSTALL_TIMEOUT = 180.0
 
 
 class RealRelease:
-    def __init__(self, nodes: RealNodes, *, mode: str = "driverManaged", release: str = "cd") -> None:
+    def __init__(self, nodes: RealNodes, *, mode: str = "driverManaged", release: str = "") -> None:
         assert nodes.state is not None, "start the real nodes first"
         self.nodes = nodes
         self.cluster = nodes.cluster
         self.mode = mode
-        self.release = release
         set_id = nodes.state.id
+        # Cluster-scoped objects carry the release name: one of this node set's own.
+        self.release = release or f"cd-{set_id}"
         self.driver_ns = f"{set_id}-{'host' if mode == 'hostManaged' else 'driver'}"
         self.workload_ns = f"{set_id}-work"
         self.installed = False
@@ -129,7 +130,9 @@ class RealRelease:
             if agents == names and controller and slices == names:
                 return
             time.sleep(1.0)
-        raise RealNodeError(f"the release is not ready after {within:.0f}s:\n{self.kubectl('get', 'pods', '-o', 'wide', '-n', self.driver_ns)}")
+        raise RealNodeError(
+            f"the release is not ready after {within:.0f}s:\n{self.kubectl('get', 'pods', '-o', 'wide', '-n', self.driver_ns)}"
+        )
 
     # --- uninstall ---------------------------------------------------------------------------------------
 

@@ -1,0 +1,233 @@
+"""driverManaged mode on real nodes: IMEX daemons and workloads as real containers, channels through CDI.
+
+One chart release for the module. Each test creates its own ComputeDomain and pods and leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
+from tests.cluster.realnode.conftest import Scenario, cdi_claim_files, checkpoint_claims, live_state, wait_for
+from tests.testbed.realnode.nodes import RealNodes
+from tests.testbed.realnode.release import RealRelease
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
+
+LIST_CHANNELS = "ls -la /dev/nvidia-caps-imex-channels; sleep 3600"
+
+
+@pytest.fixture(scope="module")
+def release(real_nodes: RealNodes) -> Iterator[RealRelease]:
+    release = RealRelease(real_nodes, mode="driverManaged")
+    release.install()
+    print(f"\nchart installed on the real nodes in {release.install_s:.1f}s")
+    try:
+        yield release
+    finally:
+        release.uninstall()
+
+
+@pytest.fixture
+def scenario(release: RealRelease) -> Scenario:
+    return Scenario(release)
+
+
+def channel_lines(logs: str) -> dict[str, tuple[str, int, int]]:
+    """`ls -la` lines of channel devices: name -> (mode, major, minor)."""
+    out = {}
+    for line in logs.splitlines():
+        match = re.match(r"^(c\S+)\s+\d+\s+\S+\s+\S+\s+(\d+),\s*(\d+)\s.*\s(channel\d+)$", line.strip())
+        if match:
+            out[match.group(4)] = (match.group(1), int(match.group(2)), int(match.group(3)))
+    return out
+
+
+def test_domain_on_both_nodes_gives_each_worker_its_nodes_channel0(
+    scenario: Scenario, real_nodes: RealNodes, release: RealRelease
+) -> None:
+    cd = scenario.name("cd")
+    template = scenario.compute_domain(cd, num_nodes=2)
+    workers = [scenario.name(f"w{i}") for i in range(2)]
+    start = time.monotonic()
+    for worker, node in zip(workers, real_nodes.nodes, strict=True):
+        scenario.pod(worker, node.name, template, LIST_CHANNELS)
+    for worker in workers:
+        scenario.wait_running(worker)
+    print(f"\nkubectl create -> both workers Running: {time.monotonic() - start:.1f}s")
+
+    uid = release.get("computedomain", cd, scenario.ns)["metadata"]["uid"]  # type: ignore[index]
+    wait_for(lambda: (release.get("computedomain", cd, scenario.ns) or {}).get("status", {}).get("status") == "Ready",
+             "the ComputeDomain Ready")  # fmt: skip
+    daemons = release.items("pods", release.driver_ns, f"{COMPUTE_DOMAIN_LABEL}={uid}")
+    assert sorted(p["spec"]["nodeName"] for p in daemons) == sorted(real_nodes.names)
+    for daemon in daemons:
+        status = daemon["status"]["containerStatuses"][0]
+        assert status["ready"], f"daemon {daemon['metadata']['name']} not Ready"
+        assert status["containerID"].startswith("containerd://"), status
+    for worker, node in zip(workers, real_nodes.nodes, strict=True):
+        logs = scenario.logs(worker)
+        channels = channel_lines(logs)
+        assert channels == {"channel0": ("crw-rw-rw-", node.facts.channels_major, 0)}, logs
+
+    scenario.delete("pod", *workers)
+    scenario.delete("computedomain", cd)
+    assert release.items("daemonsets", release.driver_ns, f"{COMPUTE_DOMAIN_LABEL}={uid}") == []
+    wait_for(lambda: not release.items("pods", release.driver_ns, f"{COMPUTE_DOMAIN_LABEL}={uid}"), "daemons gone")
+    assert [
+        c for c in release.items("computedomaincliques", release.driver_ns) if c["metadata"]["name"].startswith(uid)
+    ] == []
+    for node in real_nodes.nodes:
+        labels = release.get("node", node.name)["metadata"].get("labels", {})  # type: ignore[index]
+        assert COMPUTE_DOMAIN_LABEL not in labels
+        wait_for(lambda node=node: not cdi_claim_files(node), f"no claim CDI spec left on {node.name}")
+        assert [c for c in checkpoint_claims(node) if live_state(node, c)] == []
+
+
+def test_allocation_mode_all_then_pod_deletion_unprepares(scenario: Scenario, real_nodes: RealNodes) -> None:
+    node = real_nodes.nodes[1]
+    cd = scenario.name("all")
+    template = scenario.compute_domain(cd, num_nodes=1, mode="All")
+    pod = scenario.name("all")
+    scenario.pod(pod, node.name, template, LIST_CHANNELS)
+    scenario.wait_running(pod)
+    channels = channel_lines(scenario.logs(pod))
+    assert channels == {
+        f"channel{i}": ("crw-rw-rw-", node.facts.channels_major, i) for i in range(node.facts.channel_count)
+    }
+    claim = scenario.claim_uid(pod)
+    assert live_state(node, claim) == "PrepareCompleted"
+    assert f"k8s.compute-domain.nvidia.com-claim_{claim}.json" in cdi_claim_files(node)
+
+    scenario.delete("pod", pod)
+    # The kubelet calls NodeUnprepareResources once the pod is gone: the spec file and the entry go.
+    wait_for(lambda: f"k8s.compute-domain.nvidia.com-claim_{claim}.json" not in cdi_claim_files(node),
+             "the claim's CDI spec removed")  # fmt: skip
+    assert live_state(node, claim) is None
+    scenario.delete("computedomain", cd)
+
+
+def _container_pid(real_nodes: RealNodes, node_name: str, container_id: str) -> int:
+    node = real_nodes.node(node_name)
+    for line in real_nodes.ctr(node, "tasks", "list").splitlines()[1:]:
+        fields = line.split()
+        if fields and fields[0] == container_id.removeprefix("containerd://"):
+            return int(fields[1])
+    raise AssertionError(f"no task for container {container_id} on {node_name}")
+
+
+def test_node_agent_killed_mid_prepare_restarts_and_the_pod_starts(
+    scenario: Scenario, real_nodes: RealNodes, release: RealRelease
+) -> None:
+    node = real_nodes.nodes[0]
+    agent = release.agent_pods()[node.name]
+    restarts = agent["status"]["containerStatuses"][0]["restartCount"]
+    cd = scenario.name("kill")
+    template = scenario.compute_domain(cd, num_nodes=1)
+    pod = scenario.name("kill")
+    scenario.pod(pod, node.name, template, LIST_CHANNELS)
+    claim = scenario.claim_uid(pod)
+    # Prepare waits for this node's IMEX daemon (started only now, Ready after its first probe): the
+    # checkpoint says PrepareStarted meanwhile. SIGKILL the agent's process right then.
+    wait_for(lambda: live_state(node, claim) == "PrepareStarted", "Prepare in progress", timeout=60, interval=0.02)
+    os.kill(_container_pid(real_nodes, node.name, agent["status"]["containerStatuses"][0]["containerID"]),
+            signal.SIGKILL)  # fmt: skip
+
+    scenario.wait_running(pod, timeout=180)
+    agent_after = wait_for(lambda: release.agent_pods().get(node.name), "the node agent pod")
+    assert agent_after["metadata"]["uid"] == agent["metadata"]["uid"], "the kubelet restarts the container in place"
+    assert agent_after["status"]["containerStatuses"][0]["restartCount"] == restarts + 1
+    assert channel_lines(scenario.logs(pod)) == {"channel0": ("crw-rw-rw-", node.facts.channels_major, 0)}
+    assert live_state(node, claim) == "PrepareCompleted"
+    assert cdi_claim_files(node).count(f"k8s.compute-domain.nvidia.com-claim_{claim}.json") == 1
+
+    scenario.delete("pod", pod)
+    scenario.delete("computedomain", cd)
+    wait_for(lambda: live_state(node, claim) is None and not cdi_claim_files(node), "nothing stale on the node")
+
+
+def test_kubelet_restart_leaves_prepared_claims_and_pods_alone(
+    scenario: Scenario, real_nodes: RealNodes, release: RealRelease
+) -> None:
+    node = real_nodes.nodes[1]
+    cd = scenario.name("kr")
+    template = scenario.compute_domain(cd, num_nodes=1)
+    before = scenario.name("before")
+    scenario.pod(before, node.name, template, LIST_CHANNELS)
+    running = scenario.wait_running(before)
+    claim = scenario.claim_uid(before)
+    entry = checkpoint_claims(node)[claim]
+    spec = (node.cdi_dir / f"k8s.compute-domain.nvidia.com-claim_{claim}.json").read_text()
+    registrations = _registrations(node)
+
+    real_nodes.restart_kubelet(node)
+    # The plugin registers again with the new kubelet (its registration socket is watched anew) ...
+    wait_for(lambda: _registrations(node) > registrations, "the plugin registered with the new kubelet")
+    # ... and a new claim on the node is prepared through it.
+    after = scenario.name("after")
+    scenario.pod(after, node.name, template, LIST_CHANNELS)
+    scenario.wait_running(after)
+
+    pod = scenario.get_pod(before)
+    assert pod is not None
+    assert (
+        pod["status"]["containerStatuses"][0]["containerID"] == running["status"]["containerStatuses"][0]["containerID"]
+    )
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert checkpoint_claims(node)[claim] == entry
+    assert (node.cdi_dir / f"k8s.compute-domain.nvidia.com-claim_{claim}.json").read_text() == spec
+    scenario.delete("pod", before, after)
+    scenario.delete("computedomain", cd)
+
+
+def _registrations(node: object) -> int:
+    """How often this node's kubelets logged our plugin's registration (the log survives restarts)."""
+    text = (node.logs / "kubelet.log").read_text(errors="replace")  # type: ignore[attr-defined]
+    return len(re.findall(r"Register new plugin.*compute-domain\.nvidia\.com", text))
+
+
+def test_node_agent_token_is_bound_to_its_node_and_confined_to_it(real_nodes: RealNodes, release: RealRelease) -> None:
+    mine, other = real_nodes.nodes
+    agent = release.agent_pods()[mine.name]
+    token = release.kubectl("exec", "-n", release.driver_ns, agent["metadata"]["name"], "--",
+                            "cat", "/var/run/secrets/kubernetes.io/serviceaccount/token").strip()  # fmt: skip
+
+    def as_agent(*args: str, stdin: str | None = None) -> tuple[int, str]:
+        local = release.cluster
+        result = subprocess.run(
+            [str(local.root / "bin" / "kubectl"), f"--server={local.server}",
+             f"--certificate-authority={local.pki / 'ca.crt'}", f"--token={token}", *args],
+            capture_output=True, text=True, timeout=60, input=stdin,
+        )  # fmt: skip
+        return result.returncode, result.stdout + result.stderr
+
+    code, out = as_agent("auth", "whoami", "-o", "json")
+    assert code == 0, out
+    extra = json.loads(out)["status"]["userInfo"]["extra"]
+    assert extra["authentication.kubernetes.io/node-name"] == [mine.name]
+    assert extra["authentication.kubernetes.io/pod-name"] == [agent["metadata"]["name"]]
+
+    # Its own node: allowed (the label it maintains).
+    code, out = as_agent("label", "node", mine.name, "nvidia.com/gpu.clique=probe", "--overwrite")
+    assert code == 0, out
+    as_agent("label", "node", mine.name, "nvidia.com/gpu.clique-")
+    # The other node: refused, with the policy's message.
+    code, out = as_agent("label", "node", other.name, "nvidia.com/gpu.clique=stolen", "--overwrite")
+    assert code != 0 and f"may only change its own Node, not {other.name}" in out, out
+    slices = [s for s in release.items("resourceslices") if s["spec"].get("nodeName") == other.name]
+    assert slices, "the other node's ResourceSlice"
+    victim = slices[0]
+    victim["spec"]["devices"] = []
+    code, out = as_agent("replace", "-f", "-", stdin=json.dumps(victim))
+    assert code != 0 and f"may only write ResourceSlices of its own node, not {other.name}" in out, out
+    # Clique entries are the IMEX daemons' to write: the agent may only read them.
+    code, out = as_agent("auth", "can-i", "patch", "computedomaincliques.resource.nvidia.com", "-n", release.driver_ns)
+    assert out.strip() == "no", out
