@@ -63,6 +63,7 @@ def test_domain_on_both_nodes_gives_each_worker_its_nodes_channel0(
     for worker in workers:
         scenario.wait_running(worker)
     print(f"\nkubectl create -> both workers Running: {time.monotonic() - start:.1f}s")
+    print(f"memory with a domain running (MiB): {real_nodes.memory_mib()}")
 
     uid = release.get("computedomain", cd, scenario.ns)["metadata"]["uid"]  # type: ignore[index]
     wait_for(lambda: (release.get("computedomain", cd, scenario.ns) or {}).get("status", {}).get("status") == "Ready",
@@ -166,32 +167,43 @@ def test_kubelet_restart_leaves_prepared_claims_and_pods_alone(
     claim = scenario.claim_uid(before)
     entry = checkpoint_claims(node)[claim]
     spec = (node.cdi_dir / f"k8s.compute-domain.nvidia.com-claim_{claim}.json").read_text()
-    registrations = _registrations(node)
+    agent = release.agent_pods()[node.name]["metadata"]["name"]
+    registrations = _registrations(release, agent)
 
     real_nodes.restart_kubelet(node)
-    # The plugin registers again with the new kubelet (its registration socket is watched anew) ...
-    wait_for(lambda: _registrations(node) > registrations, "the plugin registered with the new kubelet")
-    # ... and a new claim on the node is prepared through it.
-    after = scenario.name("after")
-    scenario.pod(after, node.name, template, LIST_CHANNELS)
-    scenario.wait_running(after)
+    # The plugin registers again with the new kubelet (which finds its registration socket anew).
+    wait_for(lambda: _registrations(release, agent) > registrations, "the plugin registered with the new kubelet")
+    wait_for(lambda: _node_ready(release, node.name), "the node Ready again")
 
     pod = scenario.get_pod(before)
-    assert pod is not None
+    assert pod is not None and pod["status"]["phase"] == "Running"
     assert (
         pod["status"]["containerStatuses"][0]["containerID"] == running["status"]["containerStatuses"][0]["containerID"]
     )
     assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
     assert checkpoint_claims(node)[claim] == entry
     assert (node.cdi_dir / f"k8s.compute-domain.nvidia.com-claim_{claim}.json").read_text() == spec
-    scenario.delete("pod", before, after)
+
+    # Both directions work through the new registration: Unprepare of the old claim (the node's one channel
+    # is free again), Prepare of a new one.
+    scenario.delete("pod", before)
+    wait_for(lambda: live_state(node, claim) is None, "the old claim unprepared")
+    after = scenario.name("after")
+    scenario.pod(after, node.name, template, LIST_CHANNELS)
+    scenario.wait_running(after)
+    scenario.delete("pod", after)
     scenario.delete("computedomain", cd)
 
 
-def _registrations(node: object) -> int:
-    """How often this node's kubelets logged our plugin's registration (the log survives restarts)."""
-    text = (node.logs / "kubelet.log").read_text(errors="replace")  # type: ignore[attr-defined]
-    return len(re.findall(r"Register new plugin.*compute-domain\.nvidia\.com", text))
+def _node_ready(release: RealRelease, name: str) -> bool:
+    conditions = (release.get("node", name) or {}).get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _registrations(release: RealRelease, agent: str) -> int:
+    """How often the node agent was told by a kubelet that its registration was accepted (its own log)."""
+    logs = release.kubectl("logs", "-n", release.driver_ns, agent, check=False)  # the kubelet may still be starting
+    return logs.count("kubelet accepted plugin registration")
 
 
 def test_node_agent_token_is_bound_to_its_node_and_confined_to_it(real_nodes: RealNodes, release: RealRelease) -> None:

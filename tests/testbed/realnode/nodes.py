@@ -173,7 +173,8 @@ class Node:
 
     @property
     def logs(self) -> Path:
-        return self.dir / "logs"
+        """Kept after teardown (until the next `up`), for a failed run's post-mortem."""
+        return self.dir.parent / "logs" / self.name
 
     def to_json(self) -> dict[str, Any]:
         def proc(p: Proc | None) -> list[int | None] | None:
@@ -293,6 +294,7 @@ class RealNodes:
         self.bin = build_binaries()
         self.image = image_builder.build()
         self.timings["image_s"] = self.image.seconds
+        _rmtree(self.root / "logs")
         self.root.mkdir(parents=True, exist_ok=True)
         set_id = "r" + secrets.token_hex(3)
         self.state = State(id=set_id)
@@ -370,7 +372,8 @@ class RealNodes:
     def _start_node(self, node: Node) -> None:
         assert self.state is not None and self.state.hub is not None and self.bin is not None and self.image
         d = node.dir
-        for sub in ("run", "var-lib", "var-log", "logs", "pki", "cni", "opt", "sysctl", "driver.upper",
+        node.logs.mkdir(parents=True, exist_ok=True)
+        for sub in ("run", "var-lib", "var-log", "pki", "cni", "opt", "sysctl", "driver.upper",
                     "driver.work", "volume-plugins", DRIVER_ROOT.lstrip("/")):  # fmt: skip
             (d / sub).mkdir(parents=True, exist_ok=True)
         for key, value in KERNEL_DEFAULTS.items():
