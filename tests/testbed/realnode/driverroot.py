@@ -54,6 +54,8 @@ def lay_out(upper: Path, name: str, facts: DriverFacts, *, node_ip: str, peer_ip
         channels_major=facts.channels_major,
         imex_channel_count=facts.channel_count,
     )
+    # A host's root has a hosts file (the IMEX service reads it); a container image's may not.
+    (upper / "etc" / "hosts").write_text(f"127.0.0.1\tlocalhost\n{node_ip}\t{name}\n")
     conf = upper / IMEX_DIR
     conf.mkdir(parents=True, exist_ok=True)
     (conf / "nodes_config.cfg").write_text(render_nodes_cfg_ips(peer_ips))

@@ -35,6 +35,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -579,7 +580,7 @@ class RealNodes:
             return
         with (node.logs / "host-imex.log").open("ab") as out:
             proc = subprocess.Popen(
-                [*node.nsenter(), "chroot", DRIVER_ROOT, "/usr/bin/nvidia-imex", "-c",
+                [*node.nsenter(), shutil.which("chroot") or "/usr/sbin/chroot", DRIVER_ROOT, "/usr/bin/nvidia-imex", "-c",
                  "/etc/nvidia-imex/config.cfg"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 env={"PATH": "/opt/venv/bin:/usr/bin:/bin", "IMEX_SIM_NODE_IP": node.ip},
