@@ -29,8 +29,8 @@ cluster-up: install testbin ## start the local control plane; kubeconfig at .clu
 cluster-down: install ## stop the local control plane
 	@$(PY) -m tests.testbed.cluster down
 
-demo: cluster-up ## run the demo on the local cluster
-	@$(PY) -m tests.testbed.demo
+demo: cluster-up ## run the demo on the local cluster (REAL=1: on two real nodes, kubelet + containerd)
+	@$(PY) -m $(if $(filter 1 yes true,$(REAL)),tests.testbed.realnode.demo,tests.testbed.demo)
 
 test: install testbin ## everything: lint, types, unit and cluster tests (starts a cluster for the run)
 	@$(MAKE) --no-print-directory lint typecheck

@@ -360,6 +360,11 @@ class LocalCluster:
             self._down(quiet)
 
     def _down(self, quiet: bool = False) -> None:
+        if (self.root / "realnodes" / "state.json").exists():
+            # Real nodes (tests/testbed/realnode) hold namespaces, mounts and cgroups: gone before the cluster.
+            from tests.testbed.realnode.nodes import RealNodes
+
+            RealNodes(self).down()
         state = self.state()
         if state is None:
             if not quiet:
