@@ -5,6 +5,9 @@
 # the NVIDIA container runtime or the node agent's CDI spec provides.
 #
 #   docker build -t ghcr.io/computedomain/computedomain:0.1.0 .
+#   make image        # the same image without Docker: tests/testbed/image.py reads this file and refuses
+#                     # an instruction it does not reproduce, so keep to the ones it knows or teach it
+
 
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
