@@ -20,24 +20,12 @@ from typing import Any
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
 from tests.testbed.cluster import LocalCluster
+from tests.testbed.demo import T0, indent, say, step
 from tests.testbed.realnode.nodes import RealNodes
 from tests.testbed.realnode.release import RealRelease
 
 CD_NAME = "imex-demo"
 JOB = "channel-check"
-T0 = time.monotonic()
-
-
-def say(text: str = "") -> None:
-    print(text, flush=True)
-
-
-def step(text: str) -> None:
-    say(f"\n== [{time.monotonic() - T0:5.1f}s] {text}")
-
-
-def indent(text: str, by: str = "   ") -> str:
-    return "\n".join(by + line for line in text.rstrip().splitlines())
 
 
 def job(nodes: list[str]) -> dict[str, Any]:
