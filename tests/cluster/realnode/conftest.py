@@ -29,11 +29,17 @@ def real_nodes(cluster: Cluster) -> Iterator[RealNodes]:
     nodes = RealNodes(cluster.local, count=2)
     nodes.up()
     print(f"\nreal nodes: {nodes.timings}; memory {nodes.memory_mib()}")
+    state = nodes.state
+    assert state is not None
     try:
         yield nodes
     finally:
         print(f"\nreal nodes at the end: memory {nodes.memory_mib()}")
         nodes.down()
+    # Teardown is exact: no process, cgroup, namespace (its holder), directory or Node object is left.
+    assert RealNodes.leftovers(state) == []
+    assert not [n for n in cluster.kubectl("get", "nodes", "-o", "name").split() if n.split("/")[-1] in
+                {node.name for node in state.nodes}]  # fmt: skip
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 90.0, interval: float = 0.5) -> Any:

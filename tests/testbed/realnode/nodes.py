@@ -658,7 +658,7 @@ class RealNodes:
             with contextlib.suppress(FileNotFoundError, OSError):
                 Path(path).rmdir()
         if names and self.cluster.healthy(patience=2.0):
-            self.cluster.kubectl("delete", "nodes", *names, "--ignore-not-found", "--wait=false", check=False)
+            self.cluster.kubectl("delete", "nodes", *names, "--ignore-not-found", "--timeout=30s", check=False)
             self._forget_releases(state.id)
         for node in state.nodes:
             if _mounted_below(node.dir):
@@ -683,6 +683,20 @@ class RealNodes:
                 self.cluster.kubectl("patch", cd, "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
                                      check=False)  # fmt: skip
         self.cluster.kubectl("delete", "namespace", *namespaces, "--ignore-not-found", "--wait=false", check=False)
+
+    @staticmethod
+    def leftovers(state: State) -> list[str]:
+        """What of `state` is still on the machine (after `down`: nothing)."""
+        out: list[str] = []
+        for node in state.nodes:
+            out += [f"process {pid} in {node.name}'s namespace" for pid in _pids_in_mnt_ns(node.mnt_ns)]
+            out += [f"cgroup {path}" for path in _cgroup_dirs(node.cgroup_root)]
+            out += [f"directory {node.dir}"] if node.dir.exists() else []
+            out += [f"{what} of {node.name}" for what, proc in (("holder", node.holder), ("kubelet", node.kubelet),
+                    ("containerd", node.containerd), ("host IMEX", node.host_imex)) if proc and proc.alive()]  # fmt: skip
+        out += [f"cgroup {path}" for path in state.cgroup_dirs if Path(path).exists()]
+        out += [f"{what}" for what, proc in (("hub", state.hub), ("netd", state.netd)) if proc and proc.alive()]
+        return out
 
     def _pods_on(self, name: str) -> bool:
         result = self.cluster.kubectl("get", "pods", "-A", f"--field-selector=spec.nodeName={name}", "-o", "name",
