@@ -32,14 +32,14 @@ cluster-down: install ## stop the local control plane
 demo: cluster-up ## run the demo on the local cluster (REAL=1: on two real nodes, kubelet + containerd)
 	@$(PY) -m $(if $(filter 1 yes true,$(REAL)),tests.testbed.realnode.demo,tests.testbed.demo)
 
-test: install testbin ## everything: lint, types, unit and cluster tests (starts a cluster for the run)
+test: install testbin image ## everything: lint, types, unit and cluster tests (starts a cluster for the run)
 	@$(MAKE) --no-print-directory lint typecheck
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: install ## unit tests only (no cluster)
 	@$(PY) -m pytest -m 'not cluster and not gpu' $(PYTEST_ARGS)
 
-test-cluster: install testbin ## cluster tests only
+test-cluster: install testbin image ## cluster tests only (the real-node ones run the image)
 	@$(PY) -m pytest -m cluster $(PYTEST_ARGS)
 
 test-gpu: install ## hardware lane: NVML and /proc tests on a real NVIDIA GPU (skip cleanly without one)
