@@ -247,10 +247,15 @@ def _hierarchies() -> list[Path]:
 
 
 class RealNodes:
-    def __init__(self, cluster: LocalCluster, count: int = 2) -> None:
+    def __init__(
+        self, cluster: LocalCluster, count: int = 2, *, root: Path | None = None, egress_socket: Path | None = None
+    ) -> None:
+        """`root` and `egress_socket` default to the cluster's; another pair runs a second, independent set
+        (whose kubelets the apiserver cannot reach for logs: its egress goes to the default socket)."""
         self.cluster = cluster
         self.count = count
-        self.root = cluster.root / "realnodes"
+        self.root = root or cluster.root / "realnodes"
+        self.egress_socket = egress_socket or cluster.egress_socket
         self.state_file = self.root / "state.json"
         self.state: State | None = None
         self.bin: Path | None = None
@@ -346,12 +351,12 @@ class RealNodes:
             netd = subprocess.Popen(
                 [sys.executable, "-m", "tests.testbed.realnode.netd", f"--hub-netns=/proc/{hub.pid}/ns/net",
                  f"--apiserver=127.0.0.1:{ports['apiserver']}", f"--service={SERVICE_IP}:443",
-                 f"--egress-socket={self.cluster.egress_socket}"],
+                 f"--egress-socket={self.egress_socket}"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True,
             )  # fmt: skip
         self.state.netd = Proc.of(netd.pid)
         self._save()
-        _wait_for(lambda: self.cluster.egress_socket.exists() or netd.poll() is not None, "netd")
+        _wait_for(lambda: self.egress_socket.exists() or netd.poll() is not None, "netd")
         if netd.poll() is not None:
             raise RealNodeError(f"netd exited: {(logs / 'netd.log').read_text()[-2000:]}")
 
@@ -643,7 +648,7 @@ class RealNodes:
             if proc:
                 proc.stop(grace=5)
         with contextlib.suppress(FileNotFoundError):
-            self.cluster.egress_socket.unlink()
+            self.egress_socket.unlink()
         # Cgroups the kubelets made below their roots, then the roots and their parents made here.
         deadline = time.monotonic() + 20
         leftovers = []
