@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Final, TypeVar
 
 from computedomain.api.constants import DEFAULT_HOST_SOCKET_PATH, HEALTH_PORT, MAX_NODES_PER_IMEX_DOMAIN
+from computedomain.api.limits import brief
 
 
 class SettingsError(ValueError):
@@ -128,22 +131,41 @@ class ImexIsolation(StrEnum):
     CHANNEL = "channel"
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def validate_host_socket_path(path: str) -> str:
-    """SPEC section 3 rule 7 (the reference does not check this)."""
-    if not path.startswith("/") or ".." in path.split("/") or posixpath.normpath(path) != path:
+    """SPEC section 3 rule 7 (the reference does not check this). POSIX keeps a leading `//` through
+    normalisation, and a control character passes it too; both are refused here."""
+    if (
+        not path.startswith("/")
+        or path.startswith("//")
+        or ".." in path.split("/")
+        or posixpath.normpath(path) != path
+        or _CONTROL.search(path)
+    ):
         raise SettingsError(
-            f"IMEX_HOST_SOCKET_PATH {path!r} must be an absolute, normalised path without '..' "
+            f"IMEX_HOST_SOCKET_PATH {brief(path)} must be an absolute, normalised path without '..' "
             f"(relative to the driver root), e.g. {DEFAULT_HOST_SOCKET_PATH}"
         )
     return path
 
 
+# ASCII only: `str.isdigit` and `int` also take superscripts and other scripts' digits.
+_PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
+# A host name, an IPv4 address or an IPv6 literal (brackets removed); empty means every address.
+_HOST = re.compile(r"[A-Za-z0-9._:-]{0,253}", re.ASCII)
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """`HTTP_ENDPOINT` (`host:port`, `:port`, `[v6]:port`) -> (host, port); empty host -> "0.0.0.0"."""
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise EndpointError(f"HTTP_ENDPOINT {endpoint!r} must look like host:port, :port or [v6]:port")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not _PORT.fullmatch(port) or int(port) > 65535 or not _HOST.fullmatch(host):
+        raise EndpointError(
+            f"HTTP_ENDPOINT {brief(endpoint)} must look like host:port, :port or [v6]:port (port 0-65535)"
+        )
+    return (host or "0.0.0.0"), int(port)
 
 
 class EndpointError(SettingsError):
@@ -162,6 +184,12 @@ def setting(env: str, help: str, **extra: Any) -> Any:
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+# Client-side request rate and burst: beyond this the limiter no longer protects the apiserver.
+MAX_KUBE_API_RATE: Final = 100_000
+# Slot names end in a four-digit index (imex.config.slot_hostname).
+MAX_NODES_LIMIT: Final = 10_000
 
 
 @dataclass(frozen=True)
@@ -207,6 +235,10 @@ class CommonSettings:
             raise SettingsError(f"LOG_LEVEL {self.log_level!r}: use debug, info, warning or error")
         if self.log_format not in ("text", "json"):
             raise SettingsError(f"LOG_FORMAT {self.log_format!r}: use text or json")
+        if not 0 < self.kube_api_qps <= MAX_KUBE_API_RATE:
+            raise SettingsError(f"KUBE_API_QPS {self.kube_api_qps!r} must be above 0 and at most {MAX_KUBE_API_RATE}")
+        if not 1 <= self.kube_api_burst <= MAX_KUBE_API_RATE:
+            raise SettingsError(f"KUBE_API_BURST {self.kube_api_burst!r} must be between 1 and {MAX_KUBE_API_RATE}")
         object.__setattr__(self, "feature_gates", gates)
         object.__setattr__(self, "imex_mode", mode)
         object.__setattr__(self, "imex_isolation", ImexIsolation(self.imex_isolation_text))
@@ -217,6 +249,13 @@ class CommonSettings:
 
     def gate(self, gate: FeatureGate) -> bool:
         return self.feature_gates.enabled(gate)
+
+
+def check_max_nodes(value: int) -> None:
+    if not 1 <= value <= MAX_NODES_LIMIT:
+        raise SettingsError(
+            f"MAX_NODES_PER_IMEX_DOMAIN must be at least 1 and at most {MAX_NODES_LIMIT} (GB200/GB300 NVL72: 18)"
+        )
 
 
 def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> ImexMode:
@@ -267,8 +306,7 @@ class ControllerSettings(CommonSettings):
         super().__post_init__()
         if self.http_endpoint:
             parse_endpoint(self.http_endpoint)
-        if self.max_nodes_per_imex_domain < 1:
-            raise SettingsError("MAX_NODES_PER_IMEX_DOMAIN must be at least 1 (GB200/GB300 NVL72: 18)")
+        check_max_nodes(self.max_nodes_per_imex_domain)
         if self.leader_election_enabled and not (
             self.leader_election_lease_duration
             > self.leader_election_renew_deadline
@@ -330,6 +368,10 @@ class PluginSettings(CommonSettings):
             parse_endpoint(self.http_endpoint)
         if not self.node_name:
             raise SettingsError("NODE_NAME is required (set it from the downward API: spec.nodeName)")
+        if self.health_port > 65535:
+            raise SettingsError(
+                f"HEALTHCHECK_PORT {self.health_port} must be at most 65535 (negative: no health server)"
+            )
         for env, value in (
             ("CDI_ROOT", self.cdi_root),
             ("NVIDIA_DRIVER_ROOT", self.driver_root),
@@ -358,23 +400,27 @@ _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off", "")
 
 
+# ASCII digits only (`int` and `float` also accept other scripts' digits), and few enough of them.
+_INT = re.compile(r"[+-]?[0-9]{1,18}", re.ASCII)
+_FLOAT = re.compile(r"[+-]?([0-9]{1,18}(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]{1,3})?", re.ASCII)
+
+
 def _convert(env: str, kind: Any, raw: str) -> Any:
     if kind in (bool, "bool"):
         if raw.strip().lower() in _TRUE:
             return True
         if raw.strip().lower() in _FALSE:
             return False
-        raise SettingsError(f"{env} {raw!r} must be true or false")
+        raise SettingsError(f"{env} {brief(raw)} must be true or false")
     if kind in (int, "int"):
-        try:
-            return int(raw)
-        except ValueError:
-            raise SettingsError(f"{env} {raw!r} must be an integer") from None
+        if not _INT.fullmatch(raw.strip()):
+            raise SettingsError(f"{env} {brief(raw)} must be an integer")
+        return int(raw)
     if kind in (float, "float"):
-        try:
-            return float(raw.removesuffix("s"))
-        except ValueError:
-            raise SettingsError(f"{env} {raw!r} must be a number of seconds") from None
+        text = raw.strip().removesuffix("s")
+        if len(text) > 64 or not _FLOAT.fullmatch(text) or not math.isfinite(float(text)):
+            raise SettingsError(f"{env} {brief(raw)} must be a finite number (seconds for durations)")
+        return float(text)
     return raw
 
 
@@ -436,6 +482,7 @@ __all__ = [
     "ImexMode",
     "PluginSettings",
     "SettingsError",
+    "check_max_nodes",
     "describe",
     "load_settings",
     "parse_endpoint",

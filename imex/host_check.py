@@ -8,7 +8,8 @@ This module owns
   program (no shell; the binary is named by its absolute path inside the root, so no PATH lookup can
   pick another one), with a deadline: on timeout the whole process group is SIGKILLed, so a hung ctl
   can never hold a Prepare (and the node-wide lock behind it) forever, as upstream's can;
-- interpreting the combined stdout+stderr: ready only when it is exactly ``READY`` after stripping
+- reading at most ``MAX_CTL_OUTPUT_BYTES`` of its combined stdout+stderr (a ctl that writes more is killed);
+- interpreting that output: ready only when it is exactly ``READY`` after stripping
   whitespace and the exit status is 0 (upstream accepts any output containing READY).
 
 Error classes and what the node agent does with them:
@@ -42,6 +43,8 @@ DEFAULT_HOST_SOCKET_PATH = "/etc/nvidia-imex/imex_ctrl.sock"
 IMEX_CTL = "nvidia-imex-ctl"
 DEFAULT_TIMEOUT_S = 10.0
 _MAX_OUTPUT_IN_MESSAGE = 300
+# nvidia-imex-ctl -q prints one state name; anything near this much is broken or hostile.
+MAX_CTL_OUTPUT_BYTES = 64 * 1024
 
 
 class ImexState(StrEnum):
@@ -139,8 +142,26 @@ class CommandRunner(Protocol):
     async def __call__(self, argv: list[str], *, timeout_s: float) -> CommandResult: ...
 
 
+async def _read_bounded(stream: asyncio.StreamReader) -> tuple[bytes, bool]:
+    """Up to ``MAX_CTL_OUTPUT_BYTES`` of ``stream`` until EOF; True when there was more."""
+    data = bytearray()
+    while len(data) <= MAX_CTL_OUTPUT_BYTES:
+        chunk = await stream.read(MAX_CTL_OUTPUT_BYTES + 1 - len(data))
+        if not chunk:
+            return bytes(data), False
+        data += chunk
+    return bytes(data[:MAX_CTL_OUTPUT_BYTES]), True
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 async def run_command(argv: list[str], *, timeout_s: float) -> CommandResult:
-    """The real ``CommandRunner``: own process group, SIGKILL of the group on timeout."""
+    """The real ``CommandRunner``: own process group, SIGKILL of the group on timeout. At most
+    ``MAX_CTL_OUTPUT_BYTES`` of output are read: a command that writes more is killed, its exit code is -1
+    and its output ends with a note saying it was cut."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
@@ -149,18 +170,31 @@ async def run_command(argv: list[str], *, timeout_s: float) -> CommandResult:
         # A group of its own, so a timeout also kills anything the ctl (or a wrapper script) forked.
         start_new_session=True,
     )
+    assert proc.stdout is not None
+    stream = proc.stdout
+
+    async def collect() -> tuple[bytes, bool]:
+        stdout, cut = await _read_bounded(stream)
+        if cut:
+            _kill_group(proc)
+            # Drain to EOF, discarding, so the pipe closes with the process (the deadline still applies).
+            while await stream.read(MAX_CTL_OUTPUT_BYTES):
+                pass
+        await proc.wait()
+        return stdout, cut
+
     try:
-        stdout, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        stdout, cut = await asyncio.wait_for(collect(), timeout_s)
     except BaseException:
         # Timeout or cancellation (the Prepare deadline): never leave the child behind.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc)
         with contextlib.suppress(Exception):
             await asyncio.shield(proc.wait())
         raise
-    return CommandResult(
-        exit_code=proc.returncode if proc.returncode is not None else -1, output=stdout.decode(errors="replace")
-    )
+    output = stdout.decode(errors="replace")
+    if cut:
+        return CommandResult(-1, f"{output}\n[output cut after {MAX_CTL_OUTPUT_BYTES} bytes; the command was killed]")
+    return CommandResult(exit_code=proc.returncode if proc.returncode is not None else -1, output=output)
 
 
 def chroot_program() -> str:

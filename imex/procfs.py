@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from computedomain.api.limits import brief
 from imex.discovery import (
     DEFAULT_IMEX_CHANNEL_COUNT,
     CapabilityInfo,
@@ -37,9 +38,17 @@ PROC_CAPABILITIES = "proc/driver/nvidia/capabilities"
 
 # Linux char majors are 12 bits (MAJOR() of a dev_t); anything larger is a corrupt file.
 _MAX_MAJOR = (1 << 12) - 1
+# Minors are 20 bits: an IMEX channel N is minor N, so no driver offers more channels than this.
+_MINOR_BITS = 20
+MAX_IMEX_CHANNEL_COUNT = 1 << _MINOR_BITS
+# Flags the driver prints as unsigned 32-bit values.
+_U32_MAX = (1 << 32) - 1
 
-_DEVICE_LINE = re.compile(r"^\s*(\d+) (\S+)$")
-_KEY_VALUE_LINE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*):[ \t]*(.*)$")
+# ASCII only: `\d` also matches other scripts' digits, which `int` would accept. Digit counts are bounded so
+# a corrupt file is a format error, not a 5,000-digit int.
+_DEVICE_LINE = re.compile(r"^\s*([0-9]{1,7}) (\S+)$", re.ASCII)
+_KEY_VALUE_LINE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*):[ \t]*(.*)$", re.ASCII)
+_DECIMAL = re.compile(r"[0-9]{1,10}", re.ASCII)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -65,10 +74,10 @@ def parse_char_devices(text: str, *, source: str) -> dict[str, list[int]]:
             break
         match = _DEVICE_LINE.match(line)
         if match is None:
-            raise ProcFormatError(f"{source}:{number}: malformed character-device line {line!r}")
+            raise ProcFormatError(f"{source}:{number}: malformed character-device line {brief(line)}")
         major = int(match.group(1))
         if major > _MAX_MAJOR:
-            raise ProcFormatError(f"{source}:{number}: major {major} out of range in {line!r}")
+            raise ProcFormatError(f"{source}:{number}: major {major} out of range in {brief(line)}")
         devices.setdefault(match.group(2), []).append(major)
     return devices
 
@@ -92,7 +101,7 @@ def parse_key_values(text: str, *, source: str) -> dict[str, str]:
             continue
         match = _KEY_VALUE_LINE.match(line.rstrip())
         if match is None:
-            raise ProcFormatError(f"{source}:{number}: malformed line {line!r}, want 'Key: value'")
+            raise ProcFormatError(f"{source}:{number}: malformed line {brief(line)}, want 'Key: value'")
         key, value = match.groups()
         if key in values:
             raise ProcFormatError(f"{source}:{number}: {key} listed twice")
@@ -100,12 +109,12 @@ def parse_key_values(text: str, *, source: str) -> dict[str, str]:
     return values
 
 
-def _int_value(values: dict[str, str], key: str, *, source: str) -> int | None:
+def _int_value(values: dict[str, str], key: str, *, source: str, maximum: int) -> int | None:
     raw = values.get(key)
     if raw is None:
         return None
-    if not re.fullmatch(r"\d+", raw):
-        raise ProcFormatError(f"{source}: {key} is {raw!r}, want a non-negative decimal integer")
+    if not _DECIMAL.fullmatch(raw) or int(raw) > maximum:
+        raise ProcFormatError(f"{source}: {key} is {brief(raw)}, want a decimal integer from 0 to {maximum}")
     return int(raw)
 
 
@@ -119,8 +128,8 @@ class DriverParams:
 
 def parse_params(text: str, *, source: str) -> DriverParams:
     values = parse_key_values(text, source=source)
-    count = _int_value(values, "ImexChannelCount", source=source)
-    create0 = _int_value(values, "CreateImexChannel0", source=source)
+    count = _int_value(values, "ImexChannelCount", source=source, maximum=MAX_IMEX_CHANNEL_COUNT)
+    create0 = _int_value(values, "CreateImexChannel0", source=source, maximum=_U32_MAX)
     return DriverParams(
         # Drivers that predate the parameter behave like the default.
         imex_channel_count=DEFAULT_IMEX_CHANNEL_COUNT if count is None else count,
@@ -130,9 +139,9 @@ def parse_params(text: str, *, source: str) -> DriverParams:
 
 def parse_capability(text: str, *, name: str, source: str) -> CapabilityInfo:
     values = parse_key_values(text, source=source)
-    minor = _int_value(values, "DeviceFileMinor", source=source)
-    mode = _int_value(values, "DeviceFileMode", source=source)
-    modify = _int_value(values, "DeviceFileModify", source=source)
+    minor = _int_value(values, "DeviceFileMinor", source=source, maximum=(1 << _MINOR_BITS) - 1)
+    mode = _int_value(values, "DeviceFileMode", source=source, maximum=0o7777)
+    modify = _int_value(values, "DeviceFileModify", source=source, maximum=_U32_MAX)
     if minor is None or mode is None:
         raise ProcFormatError(f"{source}: DeviceFileMinor and DeviceFileMode are required")
     return CapabilityInfo(name=name, minor=minor, mode=mode, modify=1 if modify is None else modify)

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Final, Literal, NewType
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from computedomain.api.constants import GROUP_VERSION
+from computedomain.api.limits import brief
 
 CdUid = NewType("CdUid", str)
 NodeName = NewType("NodeName", str)
@@ -239,11 +240,11 @@ def decode_opaque_config(raw: bytes | str | dict[str, Any]) -> OpaqueConfig:
             raise OpaqueConfigError(f"opaque config is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise OpaqueConfigError("opaque config must be a JSON object with apiVersion and kind")
-    kind = str(raw.get("kind"))
-    model = _OPAQUE_KINDS.get(kind)
-    if model is None:
+    kind = raw.get("kind")
+    model = _OPAQUE_KINDS.get(kind) if isinstance(kind, str) else None
+    if model is None or not isinstance(kind, str):
         known = ", ".join(_OPAQUE_KINDS)
-        raise OpaqueConfigError(f"opaque config: unknown kind {raw.get('kind')!r}; use one of {known}")
+        raise OpaqueConfigError(f"opaque config: unknown kind {brief(kind)}; use one of {known}")
     try:
         config = model.model_validate(raw)
     except ValidationError as exc:
@@ -257,9 +258,9 @@ def _one_line(kind: str, model: type[BaseModel], exc: ValidationError) -> str:
     field = ".".join(str(part) for part in error["loc"]) or "(object)"
     known = ", ".join(f.alias or name for name, f in model.model_fields.items())
     if error["type"] == "extra_forbidden":
-        return f"{kind}: unknown field {field!r}; remove it (known fields: {known})"
+        return f"{kind}: unknown field {brief(field)}; remove it (known fields: {known})"
     if error["type"] == "missing":
         return f"{kind}: field {field!r} is required"
     if error["type"] == "literal_error" and field == "apiVersion":
-        return f"{kind}: apiVersion must be {GROUP_VERSION!r}, got {error.get('input')!r}"
-    return f"{kind}: field {field!r}: {error['msg']} (got {error.get('input')!r})"
+        return f"{kind}: apiVersion must be {GROUP_VERSION!r}, got {brief(error.get('input'))}"
+    return f"{kind}: field {brief(field)}: {error['msg']} (got {brief(error.get('input'))})"

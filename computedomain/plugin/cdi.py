@@ -282,17 +282,32 @@ class CdiSpecDir:
         log.debug("removed CDI spec claim=%s path=%s", claim_uid, path)
         return True
 
+    def remove_recorded(self, recorded: str) -> bool:
+        """Remove a spec file named in the checkpoint, but only one of ours directly in this directory. The
+        checkpoint is a file on the host: a path in it that points elsewhere (edited, or written under
+        another CDI_ROOT) is reported and left alone, never unlinked."""
+        path = Path(recorded)
+        uid = self._claim_uid(path.name)
+        if path.parent != self.root or uid is None:
+            log.warning("not removing a recorded CDI spec outside %s or not of ours path=%r", self.root, recorded[:200])
+            return False
+        return self.remove(uid)
+
+    @staticmethod
+    def _claim_uid(name: str) -> str | None:
+        if not (name.startswith(_SPEC_PREFIX) and name.endswith(_SPEC_SUFFIX)):
+            return None
+        uid = name[len(_SPEC_PREFIX) : -len(_SPEC_SUFFIX)]
+        return uid if _UID.fullmatch(uid) else None
+
     def list_claims(self) -> dict[str, Path]:
         """Claim UID -> spec file, for every claim spec of ours in the directory."""
         if not self.root.is_dir():
             return {}
         out: dict[str, Path] = {}
         for path in self.root.iterdir():
-            name = path.name
-            if not (name.startswith(_SPEC_PREFIX) and name.endswith(_SPEC_SUFFIX)):
-                continue
-            uid = name[len(_SPEC_PREFIX) : -len(_SPEC_SUFFIX)]
-            if _UID.fullmatch(uid):
+            uid = self._claim_uid(path.name)
+            if uid is not None:
                 out[uid] = path
         return out
 

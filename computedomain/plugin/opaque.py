@@ -138,8 +138,14 @@ def _configs(allocation: Mapping[str, Any], driver: str) -> list[_Config]:
             continue
         if opaque.get("driver") != driver:
             continue
+        parameters = opaque.get("parameters")
+        if parameters is None:
+            parameters = {}
+        if not isinstance(parameters, Mapping):
+            # dict() would turn a list of pairs into an object; the apiserver and the admission policy see a list.
+            raise ConfigError(f"{where} ({source}): opaque.parameters must be a JSON object")
         try:
-            config = decode_opaque_config(dict(opaque.get("parameters") or {}))
+            config = decode_opaque_config(dict(parameters))
         except OpaqueConfigError as exc:
             raise ConfigError(f"{where} ({source}): {exc}") from None
         requests = tuple(str(r) for r in _as_list(raw.get("requests"), f"{where}.requests"))

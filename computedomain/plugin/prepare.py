@@ -649,14 +649,9 @@ class Preparer:
                 if removed:
                     log.info("removed node label %s=%s claim=%s", label.key, label.value, uid)
         for spec_file in entry.cdi_spec_files:
-            await asyncio.to_thread(_remove_file, Path(spec_file))
+            await asyncio.to_thread(self.cdi.remove_recorded, spec_file)
         await self._update(lambda cp: (finish_unprepare(cp, uid, now=self._clock()), None))
         return entry
-
-
-def _remove_file(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
 
 
 def _to_prepared(device: CheckpointDevice) -> PreparedDevice:

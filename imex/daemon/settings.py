@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
-from computedomain.settings import CommonSettings, FeatureGate, SettingsError, setting
+from computedomain.settings import CommonSettings, FeatureGate, SettingsError, check_max_nodes, setting
 from imex.config import hostname_prefix
 
 __all__ = ["DaemonSettings"]
@@ -68,8 +68,7 @@ class DaemonSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_nodes < 1:
-            raise SettingsError("MAX_NODES_PER_IMEX_DOMAIN must be at least 1 (GB200/GB300 NVL72: 18)")
+        check_max_nodes(self.max_nodes)
         for env, value in (
             ("IMEX_SIGUSR1_INTERVAL", self.sigusr1_interval),
             ("IMEX_STOP_TIMEOUT", self.imex_stop_timeout),

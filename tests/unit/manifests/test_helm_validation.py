@@ -70,6 +70,12 @@ CASES = [
         PluginSettings,
         "hostSocketPath",
     ),
+    (
+        ["resources.computeDomains.imex.hostSocketPath=//etc/imex.sock"],
+        {"IMEX_HOST_SOCKET_PATH": "//etc/imex.sock"},
+        PluginSettings,
+        "hostSocketPath",
+    ),
     (["featureGates.NoSuchGate=true"], {"FEATURE_GATES": "NoSuchGate=true,"}, ControllerSettings, "featureGates"),
     (
         ["featureGates.ComputeDomainCliques=maybe"],
@@ -80,6 +86,12 @@ CASES = [
     (["logLevel=chatty"], {"LOG_LEVEL": "chatty"}, ControllerSettings, "logLevel"),
     (["logFormat=xml"], {"LOG_FORMAT": "xml"}, ControllerSettings, "logFormat"),
     (["maxNodesPerIMEXDomain=0"], {"MAX_NODES_PER_IMEX_DOMAIN": "0"}, ControllerSettings, "maxNodesPerIMEXDomain"),
+    (
+        ["maxNodesPerIMEXDomain=10001"],
+        {"MAX_NODES_PER_IMEX_DOMAIN": "10001"},
+        ControllerSettings,
+        "maxNodesPerIMEXDomain",
+    ),
     (
         ["controller.leaderElection.renewDeadline=20"],
         {"LEADER_ELECTION_ENABLED": "true", "POD_NAME": "p", "LEADER_ELECTION_RENEW_DEADLINE": "20s"},

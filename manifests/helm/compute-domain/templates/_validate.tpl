@@ -65,10 +65,11 @@ and compares the text with SettingsError's.
 {{- fail "FEATURE_GATES: ComputeDomainCliques=true requires IMEXDaemonsWithDNSNames=true; enable IMEXDaemonsWithDNSNames or set ComputeDomainCliques=false (values: featureGates)" -}}
 {{- end -}}
 
-{{- /* Rule 7: absolute, normalised (as Python's posixpath.normpath leaves it), no "..". */ -}}
+{{- /* Rule 7: absolute, normalised (as Python's posixpath.normpath leaves it), no "..", no leading "//". */ -}}
 {{- $bad := not (hasPrefix "/" $socket) -}}
 {{- $rest := trimPrefix "/" $socket -}}
-{{- if and (hasPrefix "//" $socket) (not (hasPrefix "///" $socket)) -}}{{- $rest = trimPrefix "//" $socket -}}{{- end -}}
+{{- /* A leading "//" survives POSIX normalisation but is refused too, as are control characters. */ -}}
+{{- if or (hasPrefix "//" $socket) (regexMatch "[\\x00-\\x1f\\x7f]" $socket) -}}{{- $bad = true -}}{{- end -}}
 {{- if and (not $bad) (ne $rest "") -}}
 {{- range splitList "/" $rest -}}
 {{- if has . (list "" "." "..") -}}{{- $bad = true -}}{{- end -}}
@@ -92,8 +93,8 @@ and compares the text with SettingsError's.
 {{- end -}}
 
 {{- /* Controller rules. */ -}}
-{{- if lt (int $v.maxNodesPerIMEXDomain) 1 -}}
-{{- fail "MAX_NODES_PER_IMEX_DOMAIN must be at least 1 (GB200/GB300 NVL72: 18) (values: maxNodesPerIMEXDomain)" -}}
+{{- if or (lt (int $v.maxNodesPerIMEXDomain) 1) (gt (int $v.maxNodesPerIMEXDomain) 10000) -}}
+{{- fail "MAX_NODES_PER_IMEX_DOMAIN must be at least 1 and at most 10000 (GB200/GB300 NVL72: 18) (values: maxNodesPerIMEXDomain)" -}}
 {{- end -}}
 {{- $le := $v.controller.leaderElection -}}
 {{- if $le.enabled -}}
