@@ -106,14 +106,14 @@ class FeatureGates:
             name, sep, value = item.partition("=")
             name, value = name.strip(), value.strip().lower()
             if not sep or value not in ("true", "false"):
-                raise SettingsError(f"FEATURE_GATES: item {item!r} must look like Name=true or Name=false")
+                raise SettingsError(f"FEATURE_GATES: item {brief(item)} must look like Name=true or Name=false")
             if name in FOREIGN_GATES:
                 continue
             try:
                 gate = FeatureGate(name)
             except ValueError:
                 known = ", ".join(g.value for g in FeatureGate)
-                raise SettingsError(f"FEATURE_GATES: unknown gate {name!r}; known gates: {known}") from None
+                raise SettingsError(f"FEATURE_GATES: unknown gate {brief(name)}; known gates: {known}") from None
             explicit[gate] = value == "true"
         return cls(explicit)
 
@@ -232,9 +232,9 @@ class CommonSettings:
             )
         validate_host_socket_path(self.imex_host_socket_path)
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise SettingsError(f"LOG_LEVEL {self.log_level!r}: use debug, info, warning or error")
+            raise SettingsError(f"LOG_LEVEL {brief(self.log_level)}: use debug, info, warning or error")
         if self.log_format not in ("text", "json"):
-            raise SettingsError(f"LOG_FORMAT {self.log_format!r}: use text or json")
+            raise SettingsError(f"LOG_FORMAT {brief(self.log_format)}: use text or json")
         if not 0 < self.kube_api_qps <= MAX_KUBE_API_RATE:
             raise SettingsError(f"KUBE_API_QPS {self.kube_api_qps!r} must be above 0 and at most {MAX_KUBE_API_RATE}")
         if not 1 <= self.kube_api_burst <= MAX_KUBE_API_RATE:
@@ -263,7 +263,7 @@ def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> 
     try:
         mode = ImexMode(mode_text)
     except ValueError:
-        raise SettingsError(f"IMEX_MODE {mode_text!r} is unknown; use driverManaged or hostManaged") from None
+        raise SettingsError(f"IMEX_MODE {brief(mode_text)} is unknown; use driverManaged or hostManaged") from None
     if mode is ImexMode.HOST_MANAGED and not gates.enabled(FeatureGate.HOST_MANAGED_IMEX_DAEMON):
         raise SettingsError(
             "IMEX_MODE=hostManaged requires the feature gate HostManagedIMEXDaemon=true (FEATURE_GATES)"
@@ -271,7 +271,7 @@ def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> 
     if isolation_text == ImexIsolation.CHANNEL:
         raise SettingsError("IMEX_ISOLATION=channel is not implemented yet; use domain")
     if isolation_text != ImexIsolation.DOMAIN:
-        raise SettingsError(f"IMEX_ISOLATION {isolation_text!r} is unknown; use domain")
+        raise SettingsError(f"IMEX_ISOLATION {brief(isolation_text)} is unknown; use domain")
     return mode
 
 
@@ -379,13 +379,13 @@ class PluginSettings(CommonSettings):
             ("PROC_ROOT", self.proc_root),
         ):
             if not value.startswith("/"):
-                raise SettingsError(f"{env} {value!r} must be an absolute path")
+                raise SettingsError(f"{env} {brief(value)} must be an absolute path")
         if self.pod_ip:
             try:
                 ipaddress.ip_address(self.pod_ip)
             except ValueError:
                 raise SettingsError(
-                    f"POD_IP {self.pod_ip!r} is not an IP address (set it from the downward API: status.podIP)"
+                    f"POD_IP {brief(self.pod_ip)} is not an IP address (set it from the downward API: status.podIP)"
                 ) from None
 
     @property
@@ -440,7 +440,7 @@ def load_settings(cls: type[S], argv: Sequence[str] = (), environ: Mapping[str, 
     except argparse.ArgumentError as exc:
         raise SettingsError(str(exc)) from None
     if unknown:
-        raise SettingsError(f"unknown flag {unknown[0]!r}; flags mirror the env vars, e.g. --imex-mode")
+        raise SettingsError(f"unknown flag {brief(unknown[0])}; flags mirror the env vars, e.g. --imex-mode")
     values: dict[str, Any] = {}
     for option in options:
         env = option.metadata["env"]

@@ -25,6 +25,8 @@ from enum import StrEnum
 from functools import total_ordering
 from typing import NewType, Protocol
 
+from computedomain.api.limits import brief
+
 CliqueID = NewType("CliqueID", str)
 """``<clusterUUID>.<cliqueId>``: the value of the ``nvidia.com/gpu.clique`` label."""
 
@@ -90,7 +92,7 @@ class NvmlUnavailableError(NvmlError):
 # Driver version
 
 
-_VERSION_RE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?$")
+_VERSION_RE = re.compile(r"^([0-9]{1,9})\.([0-9]{1,9})(?:\.([0-9]{1,9}))?$", re.ASCII)
 
 
 @total_ordering
@@ -107,7 +109,9 @@ class DriverVersion:
     def parse(cls, text: str) -> DriverVersion:
         match = _VERSION_RE.match(text.strip())
         if match is None:
-            raise DriverVersionError(f"cannot parse NVIDIA driver version {text!r}: want <major>.<minor>[.<patch>]")
+            raise DriverVersionError(
+                f"cannot parse NVIDIA driver version {brief(text)}: want <major>.<minor>[.<patch>]"
+            )
         major, minor, patch = match.groups()
         return cls(int(major), int(minor), int(patch or 0), text.strip())
 

@@ -7,17 +7,28 @@ per session, or reused when `make cluster-up` already runs one); `gpu` tests nee
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from tests.testbed.cluster import LocalCluster, running_cluster
 from tests.testbed.nodes import gb200_node
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Property tests: `ci` (the default) derandomizes, so the examples follow from each test's source and a
+# failure replays on every run; `HYPOTHESIS_PROFILE=explore` searches with a random seed, which hypothesis
+# prints with a failure (replay: `pytest --hypothesis-seed=N`), along with the failing example.
+hypothesis_settings.register_profile(
+    "ci", derandomize=True, database=None, max_examples=150, deadline=None, print_blob=True
+)
+hypothesis_settings.register_profile("explore", max_examples=3000, deadline=None, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 class Cluster:

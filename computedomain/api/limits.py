@@ -21,3 +21,8 @@ def brief(value: object, limit: int = MAX_SHOWN) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(text: str, limit: int = MAX_SHOWN) -> str:
+    """`text` as is when it is short and printable (a name in a message), else `brief(text)`."""
+    return text if len(text) <= limit and text.isprintable() else brief(text, limit)

@@ -39,6 +39,7 @@ from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from computedomain.api.limits import brief, shown
 from computedomain.plugin.atomic import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -398,7 +399,7 @@ def loads(text: str, path: Path) -> Checkpoint:
                 f"format version {version} is newer than this agent's {CHECKPOINT_VERSION}; "
                 "downgrading the node agent is not supported",
             )
-        raise CheckpointCorruptError(path, f"unknown format version {version!r}")
+        raise CheckpointCorruptError(path, f"unknown format version {brief(version)}")
     stored = raw.pop("checksum", None)
     if stored != _checksum(raw):
         raise CheckpointCorruptError(path, "checksum mismatch (edited by hand or damaged on disk)")
@@ -407,7 +408,7 @@ def loads(text: str, path: Path) -> Checkpoint:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise CheckpointCorruptError(path, f"invalid content at {where}: {first['msg']}") from None
+        raise CheckpointCorruptError(path, f"invalid content at {shown(where, 200)}: {first['msg']}") from None
 
 
 # --- file I/O ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from computedomain.api.constants import DRIVER_NAME
+from computedomain.api.limits import brief
 from computedomain.api.models import (
     AllocationMode,
     ComputeDomainChannelConfig,
@@ -98,7 +99,7 @@ def device_kind(device_name: str) -> DeviceKind:
         for candidate in DeviceKind:
             if kind == candidate.value:
                 return candidate
-    raise ConfigError(f"device {device_name!r} is not a {DRIVER_NAME} device (expected channel-N or daemon-N)")
+    raise ConfigError(f"device {brief(device_name)} is not a {DRIVER_NAME} device (expected channel-N or daemon-N)")
 
 
 def _as_list(value: Any, where: str) -> list[Any]:
@@ -109,8 +110,15 @@ def _as_list(value: Any, where: str) -> list[Any]:
     return value
 
 
-def _results(allocation: Mapping[str, Any], driver: str) -> list[AllocatedDevice]:
+def _devices(allocation: Mapping[str, Any]) -> Mapping[str, Any]:
     devices = allocation.get("devices") or {}
+    if not isinstance(devices, Mapping):
+        raise ConfigError("allocation.devices must be an object")
+    return devices
+
+
+def _results(allocation: Mapping[str, Any], driver: str) -> list[AllocatedDevice]:
+    devices = _devices(allocation)
     out = []
     for i, raw in enumerate(_as_list(devices.get("results"), "allocation.devices.results")):
         if not isinstance(raw, Mapping) or raw.get("driver") != driver:
@@ -123,15 +131,15 @@ def _results(allocation: Mapping[str, Any], driver: str) -> list[AllocatedDevice
 
 
 def _configs(allocation: Mapping[str, Any], driver: str) -> list[_Config]:
-    devices = allocation.get("devices") or {}
+    devices = _devices(allocation)
     by_source: dict[str, list[_Config]] = {FROM_CLASS: [], FROM_CLAIM: []}
     for i, raw in enumerate(_as_list(devices.get("config"), "allocation.devices.config")):
         where = f"allocation.devices.config[{i}]"
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where} must be an object")
         source = raw.get("source")
-        if source not in by_source:
-            raise ConfigError(f"{where}: unknown source {source!r}; expected {FROM_CLASS} or {FROM_CLAIM}")
+        if not isinstance(source, str) or source not in by_source:
+            raise ConfigError(f"{where}: unknown source {brief(source)}; expected {FROM_CLASS} or {FROM_CLAIM}")
         opaque = raw.get("opaque")
         if not isinstance(opaque, Mapping):
             # Only opaque configs exist today; a newer config type is not ours to interpret.
@@ -162,6 +170,8 @@ def resolve(allocation: Mapping[str, Any] | None, *, driver: str = DRIVER_NAME) 
     """One ResolvedDevice per device of `driver` in the allocation, in allocation order."""
     if not allocation:
         raise ConfigError("claim is not allocated (status.allocation is empty)")
+    if not isinstance(allocation, Mapping):
+        raise ConfigError("status.allocation must be an object")
     results = _results(allocation, driver)
     if not results:
         raise ConfigError(f"claim has no device allocated from driver {driver}")

@@ -50,7 +50,8 @@ async def check(settings: DaemonSettings, *, runner: CommandRunner = run_command
     if is_ready_output(result.exit_code, result.output):
         return CheckResult(True, "READY")
     state = ImexState.from_output(result.output)
-    shown = result.output.strip()[:_MAX_SHOWN] or "(no output)"
+    # One line: the kubelet shows it in the probe's Event.
+    shown = " ".join(result.output.split())[:_MAX_SHOWN] or "(no output)"
     return CheckResult(False, f"IMEX daemon not ready: state {state}, exit code {result.exit_code}; output: {shown}")
 
 

@@ -24,12 +24,14 @@ pass (API errors, a full clique) are logged and retried with backoff; the next e
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from computedomain.api.limits import brief, shown
 from computedomain.kube.client import KubeClient, Raw
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import KubeError
@@ -79,19 +81,31 @@ def peer_view(
         if entry.clique_id != clique_id:
             continue
         if not 0 <= entry.index < max_nodes:
-            problems.append(f"node {entry.node_name}: index {entry.index} outside 0..{max_nodes - 1}")
+            problems.append(f"node {shown(entry.node_name)}: index {entry.index} outside 0..{max_nodes - 1}")
             continue
         if not entry.ip_address:
-            problems.append(f"node {entry.node_name}: no IP address")
+            problems.append(f"node {shown(entry.node_name)}: no IP address")
+            continue
+        if not _is_ip(entry.ip_address):
+            # Another daemon's entry: one bad address must not stop the hosts file of the whole clique.
+            problems.append(f"node {shown(entry.node_name)}: {brief(entry.ip_address)} is not an IP address")
             continue
         if entry.index in holder:
             # Transient while the later holder moves (registration.allocate_index): the smaller name wins.
-            problems.append(f"index {entry.index} claimed by {holder[entry.index]} and {entry.node_name}")
+            problems.append(f"index {entry.index} claimed by {shown(holder[entry.index])} and {shown(entry.node_name)}")
             continue
         holder[entry.index] = entry.node_name
         addresses[entry.index] = entry.ip_address
     enough = num_nodes is None or len(entries) >= num_nodes
     return PeerView(own=own, addresses=addresses, enough=enough, problems=tuple(problems))
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 class Action(StrEnum):

@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
+from computedomain.api.limits import brief
 from computedomain.settings import CommonSettings, FeatureGate, SettingsError, check_max_nodes, setting
 from imex.config import hostname_prefix
 
 __all__ = ["DaemonSettings"]
+
+_CLIQUE_ID = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,10 @@ class DaemonSettings(CommonSettings):
                 f"IMEX_HOSTNAME_PREFIX {self.hostname_prefix_text!r} must be a DNS label of at most 58 characters "
                 "(lower-case letters, digits, '-'), leaving room for the -NNNN slot suffix"
             )
-        if self.clique_id and ("/" in self.clique_id or self.clique_id != self.clique_id.strip()):
-            raise SettingsError(f"CLIQUE_ID {self.clique_id!r} is malformed; want <clusterUUID>.<cliqueId>")
+        # Part of an object name (<cdUID>.<cliqueID>) and a label value: a lower-case DNS-subdomain part of
+        # at most 63 characters.
+        if self.clique_id and not _CLIQUE_ID.fullmatch(self.clique_id):
+            raise SettingsError(f"CLIQUE_ID {brief(self.clique_id)} is malformed; want <clusterUUID>.<cliqueId>")
 
     # ---- derived -------------------------------------------------------------------------------------
 
