@@ -9,7 +9,12 @@
 #                     # an instruction it does not reproduce, so keep to the ones it knows or teach it
 
 
-FROM python:3.11-slim AS build
+# The base is pinned by tag (Python minor, Debian release), not yet by digest: no digest has been checked
+# against the registry for this file. For a release build, resolve it (`docker buildx imagetools inspect
+# python:3.11-slim-bookworm`) and pass --build-arg PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:<digest>.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # Dependencies first (pinned in pyproject.toml), so code changes reuse this layer.
@@ -22,7 +27,7 @@ COPY computedomain ./computedomain
 COPY imex ./imex
 RUN /opt/venv/bin/pip install --no-deps .
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 # chroot (coreutils, already in the base image) runs nvidia-imex-ctl inside the driver root (node agent,
 # hostManaged). No init: the pods' `command` replaces any entrypoint, and every process here handles
 # SIGTERM itself and waits for its own children.
@@ -35,6 +40,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 LABEL org.opencontainers.image.title="computedomain" \
       org.opencontainers.image.description="ComputeDomain controller, DRA node agent and IMEX daemon" \
       org.opencontainers.image.licenses="Apache-2.0"
-# Root by default: the node agent (privileged) and the IMEX daemon (writes /etc/hosts) need it; the
-# chart runs the controller and the uninstall hook as 65532 (non-root).
+# Non-root by default: the controller and the uninstall hook run as 65532. The two that need root say so
+# in their pod specs (runAsUser: 0): the node agent (kubelet and CDI directories) and the IMEX daemon
+# (the pod's /etc/hosts, /imexd, the fabric-imex-mgmt device); docs/security.md has the reasons.
+USER 65532:65532
 CMD ["python", "-m", "computedomain", "--help"]

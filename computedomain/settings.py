@@ -292,6 +292,11 @@ class ControllerSettings(CommonSettings):
         "ADDITIONAL_NAMESPACES", "more namespaces the daemons may run in, comma separated", default=""
     )
     leader_election_enabled: bool = setting("LEADER_ELECTION_ENABLED", "use a Lease to elect one writer", default=False)
+    daemon_network_policy: bool = setting(
+        "DAEMON_NETWORK_POLICY",
+        "give each domain's IMEX daemons a NetworkPolicy: only the domain's own daemons reach the peer port",
+        default=False,
+    )
     leader_election_namespace: str = setting(
         "LEADER_ELECTION_LEASE_LOCK_NAMESPACE", "namespace of the Lease", default="default"
     )

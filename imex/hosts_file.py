@@ -161,6 +161,14 @@ def _write_atomically(path: Path, text: str) -> None:
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES) and path.exists():
+            # A read-only root filesystem around the pod's bind-mounted /etc/hosts: the file itself is
+            # writable, its directory is not.
+            try:
+                _write_in_place(path, data)
+            except OSError as inner:
+                raise HostsFileError(f"cannot write {path}: {inner.strerror or inner}") from None
+            return
         raise HostsFileError(f"cannot write {path}: {exc.strerror or exc}") from None
     tmp = Path(tmp_name)
     try:

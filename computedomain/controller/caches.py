@@ -4,6 +4,7 @@
 |---|---|---|---|
 | ComputeDomains | all namespaces | none | (index ``uid``) |
 | DaemonSets | each managed namespace | CD label exists | label value |
+| NetworkPolicies (driverManaged) | each managed namespace | CD label exists | label value |
 | ResourceClaimTemplates | all namespaces (workload templates live in the CDs' namespaces) | CD label exists | label value |
 | Nodes | cluster | CD label exists | label value |
 | daemon Pods (driverManaged) | each managed namespace | CD label exists | label value |
@@ -33,6 +34,7 @@ from computedomain.controller.observed import (
     decode_clique,
     decode_compute_domain,
     decode_daemonset,
+    decode_network_policy,
     decode_node,
     decode_pod,
     decode_template,
@@ -41,6 +43,7 @@ from computedomain.kube.client import (
     COMPUTE_DOMAIN_CLIQUES,
     COMPUTE_DOMAINS,
     DAEMONSETS,
+    NETWORK_POLICIES,
     NODES,
     PODS,
     RESOURCE_CLAIM_TEMPLATES,
@@ -82,6 +85,22 @@ class Caches:
             )
             for ns in settings.managed_namespaces
         ]
+        # Watched also when DAEMON_NETWORK_POLICY is off, so the policies of an earlier setting are torn down
+        # with their domains and swept with the orphans.
+        self.network_policies: list[Informer[Child]] = []
+        if not settings.host_managed:
+            self.network_policies = [
+                Informer(
+                    client,
+                    NETWORK_POLICIES,
+                    namespace=ns,
+                    label_selector=COMPUTE_DOMAIN_LABEL,
+                    decode=decode_network_policy,
+                    name=f"networkpolicies/{ns}",
+                    indexers={CD_INDEX: _cd_label},
+                )
+                for ns in settings.managed_namespaces
+            ]
         self.templates: Informer[Child] = Informer(
             client,
             RESOURCE_CLAIM_TEMPLATES,
@@ -130,13 +149,21 @@ class Caches:
         # ComputeDomains as this process last wrote them, until the cache shows that version: by UID.
         self._written: dict[str, ComputeDomain] = {}
         self.cds.add_handler(on_update=lambda _old, new: self._cd_seen(new), on_delete=self._cd_gone)
-        for informer in (*self.daemonsets, self.templates):
+        for informer in (*self.daemonsets, *self.network_policies, self.templates):
             informer.add_handler(on_add=self._seen, on_update=lambda _old, new: self._seen(new), on_delete=self._seen)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
     def informers(self) -> list[Informer[Any]]:
-        return [self.cds, *self.daemonsets, self.templates, self.nodes, *self.pods, *self.cliques]
+        return [
+            self.cds,
+            *self.daemonsets,
+            *self.network_policies,
+            self.templates,
+            self.nodes,
+            *self.pods,
+            *self.cliques,
+        ]
 
     async def wait_synced(self, within: float | None = None) -> None:
         await wait_for_sync(*self.informers(), within=within)
@@ -189,7 +216,7 @@ class Caches:
         return set(self.cds.index_values("uid"))
 
     def children(self, uid: str | None = None) -> list[Child]:
-        informers = [*self.daemonsets, self.templates]
+        informers = [*self.daemonsets, *self.network_policies, self.templates]
         if uid is None:
             return [c for i in informers for c in i.list()]
         return [c for i in informers for c in i.by_index(CD_INDEX, uid)]
@@ -222,6 +249,7 @@ class Caches:
         self.cds.add_handler(on_add=cd_event, on_update=lambda _o, n: cd_event(n))
         labelled: list[Informer[Child] | Informer[NodeView] | Informer[PodView]] = [
             *self.daemonsets,
+            *self.network_policies,
             self.templates,
             self.nodes,
             *self.pods,

@@ -68,6 +68,20 @@ def daemon_env(cd: ComputeDomain, settings: ControllerSettings) -> list[dict[str
     ]
 
 
+# Root without capabilities: it rewrites the pod's /etc/hosts (a root-owned file the kubelet mounts) and its
+# /imexd (a root-owned host directory), and nvidia-imex opens the fabric-imex-mgmt capability device (mode
+# 0400, root). Nothing it does needs a capability; the root filesystem stays read-only, with scratch space
+# where nvidia-imex writes (its stats file under /var/log) and /tmp. docs/security.md has the reasoning.
+CONTAINER_SECURITY: dict[str, Any] = {
+    "runAsUser": 0,
+    "runAsGroup": 0,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+SCRATCH = {"tmp": "/tmp", "var-log": "/var/log"}
+
+
 def daemonset(cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]:
     name = daemon_object_name(cd.uid)
     selector = {COMPUTE_DOMAIN_LABEL: cd.uid}
@@ -80,6 +94,7 @@ def daemonset(cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]
         ],
         # Peer names resolve through /etc/hosts; keep search-domain lookups from flooding DNS (upstream #1447).
         "dnsConfig": {"options": [{"name": "ndots", "value": "1"}]},
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [
             {
                 "name": CONTAINER_NAME,
@@ -91,8 +106,11 @@ def daemonset(cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]
                 "livenessProbe": _probe(period=60, failures=20),
                 "readinessProbe": _probe(period=10, failures=1),
                 "resources": {"claims": [{"name": CLAIM_NAME}]},
+                "securityContext": dict(CONTAINER_SECURITY),
+                "volumeMounts": [{"name": name, "mountPath": path} for name, path in SCRATCH.items()],
             }
         ],
+        "volumes": [{"name": name, "emptyDir": {"sizeLimit": "64Mi"}} for name in SCRATCH],
         "resourceClaims": [{"name": CLAIM_NAME, "resourceClaimTemplateName": name}],
     }
     if settings.pull_secrets:

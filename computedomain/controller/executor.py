@@ -49,6 +49,7 @@ from computedomain.kube.client import (
     COMPUTE_DOMAIN_CLIQUES,
     COMPUTE_DOMAINS,
     DAEMONSETS,
+    NETWORK_POLICIES,
     NODES,
     RESOURCE_CLAIM_TEMPLATES,
     KubeClient,
@@ -73,7 +74,11 @@ SWEEPS = Counter("computedomain_controller_sweeps_total", "Orphan sweeps, by out
 
 
 def resource_of(kind: ChildKind) -> Resource:
-    return DAEMONSETS if kind is ChildKind.DAEMONSET else RESOURCE_CLAIM_TEMPLATES
+    if kind is ChildKind.DAEMONSET:
+        return DAEMONSETS
+    if kind is ChildKind.NETWORK_POLICY:
+        return NETWORK_POLICIES
+    return RESOURCE_CLAIM_TEMPLATES
 
 
 def cd_ref(cd: ComputeDomain) -> ObjectRef:

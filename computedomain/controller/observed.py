@@ -26,11 +26,12 @@ Raw = Mapping[str, Any]
 
 
 class ChildKind(StrEnum):
-    """The three kinds of object the controller creates per domain."""
+    """The kinds of object the controller creates per domain."""
 
     DAEMONSET = "DaemonSet"
     DAEMON_TEMPLATE = "DaemonTemplate"
     WORKLOAD_TEMPLATE = "WorkloadTemplate"
+    NETWORK_POLICY = "NetworkPolicy"
 
 
 def _meta(raw: Raw) -> Mapping[str, Any]:
@@ -72,6 +73,8 @@ def child_kind(raw: Raw) -> ChildKind | None:
     """Which child kind a raw DaemonSet/ResourceClaimTemplate is; None for a template of neither target."""
     if raw.get("kind") == "DaemonSet":
         return ChildKind.DAEMONSET
+    if raw.get("kind") == "NetworkPolicy":
+        return ChildKind.NETWORK_POLICY
     target = _labels(_meta(raw)).get(TEMPLATE_TARGET_LABEL)
     if target == TEMPLATE_TARGET_DAEMON:
         return ChildKind.DAEMON_TEMPLATE
@@ -97,6 +100,10 @@ def decode_child(raw: Raw, kind: ChildKind | None = None) -> Child:
 
 def decode_daemonset(raw: Raw) -> Child:
     return decode_child(raw, ChildKind.DAEMONSET)
+
+
+def decode_network_policy(raw: Raw) -> Child:
+    return decode_child(raw, ChildKind.NETWORK_POLICY)
 
 
 def decode_template(raw: Raw) -> Child:

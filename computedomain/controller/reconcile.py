@@ -7,7 +7,8 @@ apiserver's answer is the freshest state there is), and asks again, until the pl
 walks the whole SPEC order without waiting for watch events, and a crash at any point leaves a state from
 which the next ``desired`` continues.
 
-driverManaged, live domain: finalizer -> daemon template -> DaemonSet -> workload template -> status.
+driverManaged, live domain: finalizer -> daemon template -> DaemonSet (-> the daemons' NetworkPolicy, when
+enabled) -> workload template -> status.
 hostManaged, live domain: finalizer -> workload template (allocationMode Single) -> status.
 Terminating domain (either mode; a domain set up in the other mode is torn down completely too): delete the
 workload template -> delete daemon template and DaemonSet -> remove the CD label from nodes -> drop our
@@ -25,7 +26,7 @@ from typing import Any, TypeAlias
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER
 from computedomain.api.models import ComputeDomain, ComputeDomainStatus
-from computedomain.controller import claim_templates, daemonset, status
+from computedomain.controller import claim_templates, daemonset, network_policy, status
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed
 from computedomain.controller.status import EventSpec
 from computedomain.settings import ControllerSettings, FeatureGate
@@ -126,6 +127,8 @@ def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> 
             if observed.of_kind(ChildKind.DAEMONSET):
                 return Plan(waiting="waiting for the deleted DaemonSet to go away")
             return _batch(CreateChild(ChildKind.DAEMONSET, daemonset.daemonset(cd, settings)))
+        if settings.daemon_network_policy and not observed.of_kind(ChildKind.NETWORK_POLICY):
+            return _batch(CreateChild(ChildKind.NETWORK_POLICY, network_policy.network_policy(cd, settings)))
     workload = _live(observed, ChildKind.WORKLOAD_TEMPLATE)
     if not workload:
         if observed.of_kind(ChildKind.WORKLOAD_TEMPLATE):
@@ -168,7 +171,10 @@ def _status_plan(observed: Observed, settings: ControllerSettings, now: datetime
 def _teardown(observed: Observed) -> Plan:
     """SPEC section 4 deletion order; every step is idempotent and tolerates objects already gone."""
     cd = observed.cd
-    for kinds in ((ChildKind.WORKLOAD_TEMPLATE,), (ChildKind.DAEMON_TEMPLATE, ChildKind.DAEMONSET)):
+    for kinds in (
+        (ChildKind.WORKLOAD_TEMPLATE,),
+        (ChildKind.DAEMON_TEMPLATE, ChildKind.DAEMONSET, ChildKind.NETWORK_POLICY),
+    ):
         doomed = [DeleteChild(c) for c in observed.children if c.kind in kinds and not c.terminating]
         if doomed:
             return _batch(*doomed)

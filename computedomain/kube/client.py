@@ -127,6 +127,7 @@ EVENTS = Resource("", "v1", "events", True, "Event")
 EVENTS_V1 = Resource("events.k8s.io", "v1", "events", True, "Event")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", True, "Lease")
 DAEMONSETS = Resource("apps", "v1", "daemonsets", True, "DaemonSet")
+NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies", True, "NetworkPolicy")
 RESOURCE_CLAIMS = Resource("resource.k8s.io", "v1", "resourceclaims", True, "ResourceClaim")
 RESOURCE_CLAIM_TEMPLATES = Resource("resource.k8s.io", "v1", "resourceclaimtemplates", True, "ResourceClaimTemplate")
 RESOURCE_SLICES = Resource("resource.k8s.io", "v1", "resourceslices", False, "ResourceSlice")
@@ -144,6 +145,7 @@ REGISTRY: Mapping[tuple[str, str], Resource] = {
         EVENTS,
         LEASES,
         DAEMONSETS,
+        NETWORK_POLICIES,
         RESOURCE_CLAIMS,
         RESOURCE_CLAIM_TEMPLATES,
         RESOURCE_SLICES,

@@ -113,9 +113,14 @@ def test_teardown_order() -> None:
     batches, final = walk(observed, settings())
     assert batches == [
         ["DeleteChild WorkloadTemplate"],
-        ["DeleteChild DaemonSet", "DeleteChild DaemonTemplate"],
+        ["DeleteChild DaemonSet", "DeleteChild DaemonTemplate", "DeleteChild NetworkPolicy"],
         ["unlabel gb-1", "unlabel gb-2"],
-        ["ReleaseChild DaemonSet", "ReleaseChild DaemonTemplate", "ReleaseChild WorkloadTemplate"],
+        [
+            "ReleaseChild DaemonSet",
+            "ReleaseChild DaemonTemplate",
+            "ReleaseChild NetworkPolicy",
+            "ReleaseChild WorkloadTemplate",
+        ],
         ["RemoveFinalizer"],
     ]
     assert final.children == () and COMPUTE_DOMAIN_FINALIZER not in final.cd.metadata.finalizers
@@ -131,7 +136,7 @@ def test_teardown_is_the_same_in_host_mode() -> None:
     """A domain set up in driverManaged mode is still torn down completely by a hostManaged controller."""
     batches, _ = walk(Observed(cd=compute_domain(deleting=True), children=all_children()), host_settings())
     assert batches[0] == ["DeleteChild WorkloadTemplate"]
-    assert batches[1] == ["DeleteChild DaemonSet", "DeleteChild DaemonTemplate"]
+    assert batches[1] == ["DeleteChild DaemonSet", "DeleteChild DaemonTemplate", "DeleteChild NetworkPolicy"]
 
 
 def test_terminating_domain_without_our_finalizer_is_left_alone() -> None:

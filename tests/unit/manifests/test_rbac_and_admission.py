@@ -49,8 +49,10 @@ CONTROLLER = (
     | _v("apps", "daemonsets", *READ, "create", "patch", "delete")
     | _v("", "pods", *READ)
     | _v("resource.nvidia.com", "computedomaincliques", *READ, "delete")
-    | _v("coordination.k8s.io", "leases", "create", "get", "update")
+    | _v("coordination.k8s.io", "leases", "create", "get", "list", "watch", "update")
 )
+# driverManaged only: the daemons' per-domain NetworkPolicies.
+NETWORK_POLICIES = _v("networking.k8s.io", "networkpolicies", *READ, "create", "delete")
 NODE_AGENT = (
     _v("resource.k8s.io", "resourceslices", *READ, "create", "update", "patch", "delete")
     | _v("resource.k8s.io", "resourceclaims", *READ)
@@ -67,7 +69,11 @@ def default() -> Rendered:
 
 
 def test_exact_grants(default: Rendered) -> None:
-    assert _grants(default, "controller") == CONTROLLER
+    assert _grants(default, "controller") == CONTROLLER | NETWORK_POLICIES
+    assert _grants(render(*HOST_MANAGED), "controller") == CONTROLLER
+    assert _grants(render("daemonNetworkPolicy.enabled=false"), "controller") == CONTROLLER | (
+        NETWORK_POLICIES - _v("networking.k8s.io", "networkpolicies", "create")
+    )
     assert _grants(default, "kubelet-plugin") == NODE_AGENT | _v("resource.nvidia.com", "computedomaincliques", *READ)
     assert _grants(default, "daemon") == DAEMON
     assert _grants(render(*HOST_MANAGED), "kubelet-plugin") == NODE_AGENT
@@ -98,7 +104,8 @@ def test_namespaced_powers_stay_in_managed_namespaces(default: Rendered) -> None
 def test_lease_update_only_for_its_own_lease(default: Rendered) -> None:
     role = default.one("Role", "compute-domain-controller-leader-election")
     by_verbs = {tuple(r["verbs"]): r.get("resourceNames") for r in role["rules"]}
-    assert by_verbs == {("create",): None, ("get", "update"): ["nvidia-compute-domain-controller"]}
+    # list and watch (with a metadata.name field selector): a standby sees the release at once.
+    assert by_verbs == {("create",): None, ("get", "list", "watch", "update"): ["nvidia-compute-domain-controller"]}
 
 
 def test_uninstall_permissions_exist_only_during_hooks(default: Rendered) -> None:

@@ -1,0 +1,200 @@
+"""Least privilege and tenant isolation as the chart and the controller render them: each container's
+security context, the driver root mounted read-only all the way down, the image's default user, and the
+admission policies that keep tenants away from daemon devices and each daemon to its own objects.
+docs/security.md explains every privilege that remains; the cluster tests prove the policies on a real
+apiserver (tests/cluster/manifests/test_security.py)."""
+
+from __future__ import annotations
+
+import errno
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, DAEMON_DEVICE_CLASS
+from computedomain.controller import daemonset
+from imex import hosts_file
+from tests.unit.controller.helpers import compute_domain, settings
+from tests.unit.manifests.chart import HOST_MANAGED, REPO, Rendered, container, render
+
+READ = ("get", "list", "watch")
+
+
+@pytest.fixture(scope="module")
+def default() -> Rendered:
+    return render(hooks=True)
+
+
+def _pods(r: Rendered) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for obj in r.objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec")
+        if pod:
+            out.append((obj["metadata"]["name"], pod))
+    return out
+
+
+def _daemon_pod() -> dict[str, Any]:
+    pod: dict[str, Any] = daemonset.daemonset(compute_domain(), settings())["spec"]["template"]["spec"]
+    return pod
+
+
+def test_every_container_is_confined(default: Rendered) -> None:
+    """Read-only root, no privilege escalation, no capabilities, RuntimeDefault seccomp; the one exception
+    (the node agent, privileged for NVML) is checked below."""
+    pods = [*_pods(default), ("daemon", _daemon_pod())]
+    assert {name for name, _ in pods} >= {
+        "compute-domain-controller",
+        "compute-domain-kubelet-plugin",
+        "compute-domain-uninstall-pre-delete",
+        "daemon",
+    }
+    for name, pod in pods:
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, name
+            if sc.get("privileged"):
+                assert name == "compute-domain-kubelet-plugin"
+                continue
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"] == {"drop": ["ALL"]}, name
+
+
+def test_root_only_where_needed(default: Rendered) -> None:
+    """The image runs as 65532; the node agent and the daemon ask for root in their pod specs."""
+    for name, pod in _pods(default):
+        (c,) = pod["containers"]
+        if name == "compute-domain-kubelet-plugin":
+            assert c["securityContext"]["runAsUser"] == 0
+        else:
+            assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 65532
+    (daemon,) = _daemon_pod()["containers"]
+    assert daemon["securityContext"]["runAsUser"] == 0
+    dockerfile = (REPO / "Dockerfile").read_text()
+    final_stage = dockerfile.rsplit("\nFROM ", 1)[1]
+    (user,) = re.findall(r"^USER (\S+)$", final_stage, re.MULTILINE)
+    assert user == "65532:65532"
+
+
+def test_daemon_gets_scratch_space_for_a_read_only_root() -> None:
+    pod = _daemon_pod()
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts == {"/tmp": "tmp", "/var/log": "var-log"}
+    assert all("emptyDir" in volumes[n] for n in mounts.values())
+
+
+def test_node_agent_without_privileges() -> None:
+    for sets, added in [((), None), (HOST_MANAGED, ["SYS_CHROOT"])]:
+        r = render("kubeletPlugin.containers.computeDomains.privileged=false", *sets)
+        c = container(r.one("DaemonSet", component="kubelet-plugin"), "compute-domains")
+        sc = c["securityContext"]
+        assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"].get("add") == added and sc["capabilities"]["drop"] == ["ALL"]
+
+
+def test_driver_root_is_read_only_recursively(default: Rendered) -> None:
+    c = container(default.one("DaemonSet", component="kubelet-plugin"), "compute-domains")
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "driver-root"]
+    assert mount["readOnly"] is True and mount["recursiveReadOnly"] == "IfPossible"
+    assert mount.get("mountPropagation", "None") == "None"  # recursive read-only needs it
+
+
+def test_hosts_file_is_rewritten_in_place_under_a_read_only_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_a: Any, **_k: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts = Path(tmp) / "hosts"
+        hosts.write_text("127.0.0.1\tlocalhost\n")
+        monkeypatch.setattr(hosts_file.tempfile, "mkstemp", refuse)
+        entries = [hosts_file.HostEntry("10.0.0.1", "compute-domain-daemon-x-0000")]
+        assert hosts_file.update_hosts_file(hosts, "cd", entries)
+        assert "10.0.0.1\tcompute-domain-daemon-x-0000" in hosts.read_text()
+        assert "localhost" in hosts.read_text()
+
+
+def _policy(r: Rendered, suffix: str) -> dict[str, Any]:
+    (policy,) = [p for p in r.all("ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith(suffix)]
+    (binding,) = [
+        b for b in r.all("ValidatingAdmissionPolicyBinding") if b["spec"]["policyName"] == policy["metadata"]["name"]
+    ]
+    assert binding["spec"]["validationActions"] == ["Deny"] and policy["spec"]["failurePolicy"] == "Fail"
+    return policy
+
+
+def _variables(policy: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+
+
+def test_daemon_claims_policy_in_both_modes() -> None:
+    for sets in ((), HOST_MANAGED):
+        r = render("additionalNamespaces={old-driver}", *sets)
+        policy = _policy(r, "daemon-claims")
+        rules = policy["spec"]["matchConstraints"]["resourceRules"]
+        assert {(res, op) for rule in rules for res in rule["resources"] for op in rule["operations"]} == {
+            ("resourceclaims", "CREATE"),
+            ("resourceclaimtemplates", "CREATE"),
+        }
+        variables = _variables(policy)
+        assert variables["namespaces"].strip("'") == '["nvidia-compute-domain","old-driver"]'
+        assert "system:serviceaccount:nvidia-compute-domain:compute-domain-controller" in variables["creators"]
+        assert "system:serviceaccount:kube-system:resource-claim-controller" in variables["creators"]
+        (condition,) = policy["spec"]["matchConditions"]
+        assert DAEMON_DEVICE_CLASS in condition["expression"] and "ComputeDomainDaemonConfig" in condition["expression"]
+
+
+def test_daemon_identity_policy_covers_every_write_the_daemon_is_granted(default: Rendered) -> None:
+    policy = _policy(render("additionalNamespaces={old-driver}"), "daemon-identity")
+    (condition,) = policy["spec"]["matchConditions"]
+    for ns in ("nvidia-compute-domain", "old-driver"):
+        assert f"system:serviceaccount:{ns}:compute-domain-daemon-service-account" in condition["expression"]
+    matched = {
+        (group, resource, op)
+        for rule in policy["spec"]["matchConstraints"]["resourceRules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for op in rule["operations"]
+    }
+    verb_to_op = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete": "DELETE"}
+    legacy = render("featureGates.ComputeDomainCliques=false")
+    for r in (default, legacy):
+        for kind in ("Role", "ClusterRole"):
+            for role in r.all(kind):
+                if role["metadata"]["labels"].get("app.kubernetes.io/component") != "daemon":
+                    continue
+                for rule in role["rules"]:
+                    for group in rule["apiGroups"]:
+                        for resource in rule["resources"]:
+                            for verb in rule["verbs"]:
+                                if verb in verb_to_op:
+                                    assert (group, resource, verb_to_op[verb]) in matched, (resource, verb)
+    variables = _variables(policy)
+    # The domain comes from the pod name the DaemonSet gives its pods: computedomain-daemon-<uid>-xxxxx.
+    assert "computedomain-daemon-" in variables["domain"] and "substring(21, 57)" in variables["domain"]
+    assert len(daemonset.daemonset(compute_domain(), settings())["metadata"]["name"]) == 57
+    assert CLIQUE_LABEL in variables["cliqueLabel"]
+    host = render(*HOST_MANAGED).all("ValidatingAdmissionPolicy")
+    assert not [p for p in host if "daemon-identity" in p["metadata"]["name"]]  # no daemons in hostManaged
+
+
+def test_node_agent_policy_checks_the_pool_name(default: Rendered) -> None:
+    policy = _policy(default, "node-agent-own-node")
+    assert any("spec.?pool.?name" in v["expression"] for v in policy["spec"]["validations"])
+
+
+def test_daemon_pods_carry_the_label_the_network_policy_selects() -> None:
+    from computedomain.controller.network_policy import network_policy
+
+    cd = compute_domain()
+    ds = daemonset.daemonset(cd, settings())
+    policy = network_policy(cd, settings())
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    for selector in (policy["spec"]["podSelector"], policy["spec"]["ingress"][0]["from"][0]["podSelector"]):
+        assert selector["matchLabels"].items() <= labels.items()
+    assert labels[COMPUTE_DOMAIN_LABEL] == cd.uid
