@@ -249,9 +249,10 @@ def test_uninstall_tears_domains_down_before_the_controller(
         release.install(f"uninstall.namespaces={{{workloads}}}", "controller.replicas=1")
         pod = wait_for(lambda: running_pod(cluster, ns, "app.kubernetes.io/component=controller"), "controller pod")
         # The real controller with the chart's env and the pod's identity, limited to this test's domains
-        # (the cluster is shared); its RBAC is the chart's.
+        # (the cluster is shared); its RBAC is the chart's. Only its HTTP port is a free one: processes here
+        # share the machine's ports.
         script = (
-            "import asyncio, sys\n"
+            "import asyncio, os, sys\nos.environ['HTTP_ENDPOINT'] = '127.0.0.1:0'\n"
             "from computedomain.controller.app import main\nfrom computedomain.logs import configure_logging\n"
             "from computedomain.settings import ControllerSettings, load_settings\n"
             "s = load_settings(ControllerSettings)\nconfigure_logging(s)\n"

@@ -1,0 +1,518 @@
+"""Tenant isolation and least privilege on the real apiserver, with the chart installed as an operator would
+(docs/security.md). Identities are real: a tenant with only namespaced rights and its own token; the daemon
+and the node agent with tokens bound to their pods (so the apiserver adds the pod and node names the
+admission policies read); the controller running as its pod with the chart's env and RBAC.
+
+The local control plane has no network plugin, so nothing enforces NetworkPolicies here: their test checks
+the objects the controller makes and that their selectors pick exactly the domain's daemon pods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, DAEMON_DEVICE_CLASS, DRIVER_NAME
+from tests.cluster.manifests import rbac_table
+from tests.cluster.manifests.release import (
+    SELECT_LABEL,
+    bound_kubeconfig,
+    helm,
+    install_args,
+    run_like_pod,
+    running_pod,
+    wait_for,
+)
+from tests.conftest import REPO, Cluster
+from tests.testbed.nodes import gb200_node
+
+pytestmark = pytest.mark.cluster
+
+KUBECTL = REPO / ".cluster" / "bin" / "kubectl"
+RELEASE = "compute-domain"  # the chart's default names: compute-domain-controller, ...
+CHANNEL_CLASS = "compute-domain-default-channel.nvidia.com"
+DAEMON_SA = "compute-domain-daemon-service-account"
+LEASE = "nvidia-compute-domain-controller"
+
+
+@dataclass
+class Installed:
+    cluster: Cluster
+    ns: str  # release namespace
+    extra_ns: str  # additionalNamespaces
+    tenant_ns: str
+    workload_ns: str  # where this module's ComputeDomains live
+    node: str
+    tmp: Path
+
+    def user(self, sa: str, ns: str | None = None) -> str:
+        return f"system:serviceaccount:{ns or self.ns}:{sa}"
+
+
+def _kubectl(kubeconfig: Path | str, *args: str, body: Any = None) -> tuple[int, str]:
+    result = subprocess.run(
+        [str(KUBECTL), "--kubeconfig", str(kubeconfig), *args],
+        input=json.dumps(body) if body is not None else None, capture_output=True, text=True,
+    )  # fmt: skip
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def installed(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    suffix = uuid.uuid4().hex[:8]
+    names = [f"sec-{suffix}", f"secadd-{suffix}", f"tenant-{suffix}", f"secw-{suffix}"]
+    for name in names:
+        cluster.kubectl("create", "namespace", name)
+    selector = f"s{suffix}"
+    node = gb200_node(f"sec-{suffix}", labels={SELECT_LABEL: selector})
+    cluster.apply(node)
+    ns, extra = names[0], names[1]
+    helm(
+        cluster,
+        *install_args(RELEASE, ns, selector, f"additionalNamespaces={{{extra}}}", "controller.replicas=1"),
+    )
+    try:
+        yield Installed(
+            cluster, ns, extra, names[2], names[3], node["metadata"]["name"], tmp_path_factory.mktemp("sec")
+        )
+    finally:
+        helm(cluster, "uninstall", RELEASE, "--namespace", ns, "--no-hooks", "--wait", check=False)
+        cluster.kubectl("delete", "namespace", *names, "--wait=false", check=False)
+        cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)
+
+
+# --- item: tenants and the daemon device ---------------------------------------------------------------
+
+
+def _claim(kind: str, request: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    devices: dict[str, Any] = {"requests": [request]}
+    if params is not None:
+        devices["config"] = [{"requests": [request["name"]], "opaque": {"driver": DRIVER_NAME, "parameters": params}}]
+    spec = {"devices": devices}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": kind,
+        "metadata": {"generateName": "steal-"}
+        if kind == "ResourceClaim"
+        else {"name": f"steal-{uuid.uuid4().hex[:6]}"},
+        "spec": spec if kind == "ResourceClaim" else {"spec": spec},
+    }
+
+
+def _params(kind: str, domain: str) -> dict[str, Any]:
+    return {"apiVersion": "resource.nvidia.com/v1beta1", "kind": kind, "domainID": domain}
+
+
+def _tenant_kubeconfig(s: Installed) -> Path:
+    """A ServiceAccount of the tenant namespace that may create claims, templates and pods there, nothing else."""
+    c, ns = s.cluster, s.tenant_ns
+    c.kubectl("create", "serviceaccount", "tenant", "-n", ns)
+    c.apply(
+        [
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": {"name": "tenant", "namespace": ns},
+                "rules": [
+                    {
+                        "apiGroups": ["resource.k8s.io"],
+                        "resources": ["resourceclaims", "resourceclaimtemplates"],
+                        "verbs": ["get", "list", "create", "delete"],
+                    },
+                    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "create", "delete"]},
+                ],
+            },
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": {"name": "tenant", "namespace": ns},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant"},
+                "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}],
+            },
+        ]
+    )
+    token = c.kubectl("create", "token", "tenant", "-n", ns, "--duration=1h").strip()
+    admin = yaml.safe_load(Path(c.kubeconfig).read_text())
+    path = s.tmp / "tenant.kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": admin["clusters"][0]["cluster"]}],
+                "users": [{"name": "tenant", "user": {"token": token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "tenant", "namespace": ns}}],
+                "current-context": "c",
+            }
+        )
+    )
+    return path
+
+
+def test_tenant_cannot_claim_a_daemon_device(installed: Installed) -> None:
+    s, c = installed, installed.cluster
+    # The victim: a ComputeDomain of another team; the tenant learnt its UID.
+    c.apply(
+        {
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "ComputeDomain",
+            "metadata": {"name": "victim", "namespace": s.workload_ns},
+            "spec": {"numNodes": 0, "channel": {"resourceClaimTemplate": {"name": "victim-channel"}}},
+        }
+    )
+    victim = c.get("computedomain", "victim", s.workload_ns)["metadata"]["uid"]
+    tenant = _tenant_kubeconfig(s)
+    daemon_request = {"name": "daemon", "exactly": {"deviceClassName": DAEMON_DEVICE_CLASS}}
+    channel_request = {"name": "channel", "exactly": {"deviceClassName": CHANNEL_CLASS}}
+    subrequests = {
+        "name": "any",
+        "firstAvailable": [
+            {"name": "gpu", "deviceClassName": "gpu.example.com"},
+            {"name": "imex", "deviceClassName": DAEMON_DEVICE_CLASS},
+        ],
+    }
+    daemon_config = _params("ComputeDomainDaemonConfig", victim)
+    reserved = f"reserved for the ComputeDomain daemon pods in namespace {s.ns}, {s.extra_ns}"
+
+    # The tenant's identity works, and the ordinary path stays open: a channel claim for its own workloads.
+    code, out = _kubectl(
+        tenant,
+        "create",
+        "-f",
+        "-",
+        "-o",
+        "name",
+        body=_claim("ResourceClaim", channel_request, _params("ComputeDomainChannelConfig", victim)),
+    )
+    assert code == 0, out
+    attacks = [
+        ("ResourceClaim", daemon_request, daemon_config, "spec.devices.requests[0]"),
+        ("ResourceClaim", daemon_request, None, "spec.devices.requests[0]"),
+        ("ResourceClaimTemplate", daemon_request, daemon_config, "spec.spec.devices.requests[0]"),
+        ("ResourceClaim", subrequests, None, "spec.devices.requests[0]"),
+        # Another class (or a CEL selector) cannot avoid the config the node agent needs to prepare it.
+        ("ResourceClaim", channel_request, daemon_config, "spec.devices.config[0].opaque.parameters.kind"),
+    ]
+    wait_for(lambda: _kubectl(tenant, "create", "-f", "-", body=_claim(*attacks[0][:3]))[0] != 0, "policy active")
+    for kind, request, params, field in attacks:
+        code, out = _kubectl(tenant, "create", "-f", "-", body=_claim(kind, request, params))
+        assert code != 0 and f"{field}: the IMEX daemon device" in out and reserved in out, out
+        assert "forbidden" in out.lower()
+    # Not even a cluster admin may make daemon claims by hand in the daemons' namespace ...
+    code, out = c.create(_claim("ResourceClaim", daemon_request, daemon_config), s.ns)
+    assert code != 0 and "may create ResourceClaims for the IMEX daemon device, not " in out, out
+    # ... while the controller's own template and the claims Kubernetes makes from it for a pod pass.
+    template = _claim("ResourceClaimTemplate", daemon_request, daemon_config)
+    template["metadata"]["name"] = f"computedomain-daemon-{victim}"
+    as_controller = [f"--as={s.user('compute-domain-controller')}", "--as-group=system:serviceaccounts"]
+    code, out = c.try_kubectl("create", "-n", s.ns, "-f", "-", *as_controller, input=json.dumps(template))
+    assert code == 0, out
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"daemon-{uuid.uuid4().hex[:6]}", "namespace": s.ns},
+        "spec": {
+            "nodeSelector": {"compute-domain.test/nowhere": "x"},
+            "containers": [{"name": "c", "image": "x", "resources": {"claims": [{"name": "d"}]}}],
+            "resourceClaims": [{"name": "d", "resourceClaimTemplateName": template["metadata"]["name"]}],
+        },
+    }
+    c.apply(pod)
+
+    def generated() -> str | None:
+        statuses = c.get("pod", pod["metadata"]["name"], s.ns).get("status", {}).get("resourceClaimStatuses") or []
+        return statuses[0].get("resourceClaimName") if statuses else None
+
+    claim = wait_for(generated, "the resourceclaim controller's claim for the daemon pod")
+    assert c.get("resourceclaim", claim, s.ns)["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == (
+        DAEMON_DEVICE_CLASS
+    )
+    c.kubectl("delete", "pod", pod["metadata"]["name"], "-n", s.ns, "--wait=false")
+
+
+# --- item: each daemon only writes its own objects --------------------------------------------------------
+
+
+def _daemon_pod(s: Installed, domain: str) -> dict[str, Any]:
+    name = f"computedomain-daemon-{domain}-{uuid.uuid4().hex[:5]}"
+    s.cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": s.ns, "labels": {COMPUTE_DOMAIN_LABEL: domain}},
+            "spec": {"serviceAccountName": DAEMON_SA, "nodeName": s.node, "containers": [{"name": "c", "image": "x"}]},
+        }
+    )
+    return s.cluster.get("pod", name, s.ns)
+
+
+def _clique(domain: str, pod: dict[str, Any], *entries: tuple[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomainClique",
+        "metadata": {
+            "name": f"{domain}.c1",
+            "labels": {COMPUTE_DOMAIN_LABEL: domain, CLIQUE_LABEL: "c1"},
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}
+            ],
+        },
+        "daemons": [
+            {"nodeName": node, "ipAddress": ip, "cliqueID": "c1", "index": i, "status": "NotReady"}
+            for i, (node, ip) in enumerate(entries)
+        ],
+    }
+
+
+def test_daemon_writes_only_its_own_pod_and_entry(installed: Installed) -> None:
+    s, c = installed, installed.cluster
+    mine, theirs = str(uuid.uuid4()), str(uuid.uuid4())
+    pod = _daemon_pod(s, mine)
+    other = _daemon_pod(s, theirs)
+    kubeconfig = bound_kubeconfig(c, s.ns, DAEMON_SA, pod["metadata"]["name"], s.tmp / "daemon.kubeconfig")
+    config = yaml.safe_load(kubeconfig.read_text())
+
+    def run(*args: str, body: Any = None) -> tuple[int, str]:
+        return _kubectl(kubeconfig, "-n", s.ns, *args, body=body)
+
+    def replace(name: str, change: Any) -> tuple[int, str]:
+        obj = c.get("computedomainclique", name, s.ns)
+        change(obj)
+        return run("replace", "-f", "-", body=obj)
+
+    # What the daemon does: label its own pod with its clique, register its entry, update it.
+    wait_for(lambda: run("label", "pod", other["metadata"]["name"], f"{CLIQUE_LABEL}=c1")[0] != 0, "policy active")
+    code, out = run("label", "pod", pod["metadata"]["name"], f"{CLIQUE_LABEL}=c1")
+    assert code == 0, out
+    code, out = run("create", "-f", "-", body=_clique(mine, pod, (s.node, "10.1.0.1")))
+    assert code == 0, out
+    c.kubectl(
+        "patch", "computedomainclique", f"{mine}.c1", "-n", s.ns, "--type=json",
+        "-p", json.dumps([{"op": "add", "path": "/daemons/-", "value": {"nodeName": "peer", "ipAddress": "10.1.0.2", "cliqueID": "c1", "index": 1}}]),
+    )  # fmt: skip
+    code, out = replace(f"{mine}.c1", lambda o: o["daemons"][0].update(status="Ready"))
+    assert code == 0, out
+
+    refused = [
+        (run("label", "pod", other["metadata"]["name"], f"{CLIQUE_LABEL}=c1"), "may only update its own pod"),
+        (run("label", "pod", pod["metadata"]["name"], "evil=1"), "may only set the label"),
+        (run("annotate", "pod", pod["metadata"]["name"], "evil=1"), "may only set the label"),
+        (run("create", "-f", "-", body=_clique(theirs, pod, (s.node, "10.1.0.1"))), f"not CREATE {theirs}.c1"),
+        (replace(f"{mine}.c1", lambda o: o["daemons"][1].update(ipAddress="10.6.6.6")), "not of peer"),
+        (replace(f"{mine}.c1", lambda o: o["daemons"].pop(1)), "not of peer"),
+        (replace(f"{mine}.c1", lambda o: o["daemons"][0].update(ipAddress="not-an-ip")), "ipAddress"),
+        (
+            replace(
+                f"{mine}.c1",
+                lambda o: o["metadata"]["ownerReferences"].append(
+                    {"apiVersion": "v1", "kind": "Pod", "name": "x", "uid": str(uuid.uuid4())}
+                ),
+            ),
+            "may only add its own pod",
+        ),
+        (
+            replace(f"{mine}.c1", lambda o: o["metadata"]["labels"].update({COMPUTE_DOMAIN_LABEL: theirs})),
+            "metadata.labels",
+        ),
+        (run("delete", "computedomainclique", f"{mine}.c1"), "cannot delete"),  # RBAC
+    ]
+    for (code, out), why in refused:
+        assert code != 0 and why in out, out
+    # A token of the daemon's ServiceAccount that is not bound to a pod names no pod: refused outright.
+    unbound = s.tmp / "unbound.kubeconfig"
+    config["users"][0]["user"]["token"] = c.kubectl("create", "token", DAEMON_SA, "-n", s.ns).strip()
+    unbound.write_text(yaml.safe_dump(config))
+    code, out = _kubectl(
+        unbound, "-n", s.ns, "label", "pod", pod["metadata"]["name"], "--overwrite", f"{CLIQUE_LABEL}=c2"
+    )
+    assert code != 0 and "name no pod and node" in out, out
+
+
+def test_legacy_daemon_writes_only_its_own_status_entry(installed: Installed) -> None:
+    """ComputeDomainCliques=false: daemons write their domain's status.nodes. The policy's rules, with RBAC
+    out of the way (a group that may do anything), so only the policy decides."""
+    s, c = installed, installed.cluster
+    for name in ("legacy-mine", "legacy-theirs"):
+        c.apply(
+            {
+                "apiVersion": "resource.nvidia.com/v1beta1",
+                "kind": "ComputeDomain",
+                "metadata": {"name": name, "namespace": s.workload_ns},
+                "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": f"{name}-channel"}}},
+            }
+        )
+    mine = c.get("computedomain", "legacy-mine", s.workload_ns)["metadata"]["uid"]
+    pod = _daemon_pod(s, mine)
+    who = [
+        f"--as={s.user(DAEMON_SA)}",
+        "--as-group=system:masters",
+        f"--as-user-extra=authentication.kubernetes.io/pod-name={pod['metadata']['name']}",
+        f"--as-user-extra=authentication.kubernetes.io/pod-uid={pod['metadata']['uid']}",
+        f"--as-user-extra=authentication.kubernetes.io/node-name={s.node}",
+    ]
+
+    def update(name: str, change: Any) -> tuple[int, str]:
+        cd = c.get("computedomain", name, s.workload_ns)
+        cd.setdefault("status", {"status": "NotReady"})
+        change(cd["status"])
+        args = ["replace", "--subresource=status", "-n", s.workload_ns, "-f", "-", *who]
+        return c.try_kubectl(*args, input=json.dumps(cd))
+
+    def entry(node: str) -> dict[str, Any]:
+        return {"name": node, "ipAddress": "10.2.0.1", "cliqueID": "c1", "index": 0, "status": "NotReady"}
+
+    add_own = lambda st: st.setdefault("nodes", []).append(entry(s.node))  # noqa: E731
+    wait_for(lambda: update("legacy-theirs", add_own)[0] != 0, "policy active")
+    code, out = update("legacy-mine", add_own)
+    assert code == 0, out
+    refused = [
+        (update("legacy-theirs", add_own), "may only update the status of its own ComputeDomain"),
+        (update("legacy-mine", lambda st: st["nodes"].append(dict(entry("peer"), index=1))), "not of peer"),
+        (update("legacy-mine", lambda st: st.update(status="Ready")), "not status.status"),
+    ]
+    for (code, out), why in refused:
+        assert code != 0 and why in out, out
+
+
+# --- item: RBAC and the node agent's pool -------------------------------------------------------------------
+
+
+def test_standby_controller_may_watch_its_lease(installed: Installed) -> None:
+    s, c = installed, installed.cluster
+    pod = wait_for(lambda: running_pod(c, s.ns, "app.kubernetes.io/component=controller"), "controller pod")
+    kubeconfig = bound_kubeconfig(c, s.ns, pod["spec"]["serviceAccountName"], pod["metadata"]["name"], s.tmp / "ctl")
+    c.apply({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": LEASE, "namespace": s.ns}})
+    selector = f"--field-selector=metadata.name={LEASE}"
+    code, out = _kubectl(kubeconfig, "-n", s.ns, "get", "leases", selector, "-o", "name")
+    assert code == 0 and LEASE in out, out
+    code, out = _kubectl(kubeconfig, "-n", s.ns, "get", "leases", selector, "--watch-only", "--request-timeout=2s")
+    assert "forbidden" not in out.lower(), out
+    code, out = _kubectl(kubeconfig, "-n", s.ns, "auth", "can-i", "watch", f"leases/{LEASE}")
+    assert out.strip() == "yes", out
+    # Other Leases stay out of reach.
+    code, out = _kubectl(kubeconfig, "-n", s.ns, "get", "leases", "-o", "name")
+    assert code != 0 and "forbidden" in out.lower(), out
+
+
+def test_node_agent_publishes_only_its_own_pool(installed: Installed) -> None:
+    s, c = installed, installed.cluster
+    as_agent = [
+        f"--as={s.user('compute-domain-kubelet-plugin')}",
+        f"--as-user-extra=authentication.kubernetes.io/node-name={s.node}",
+    ]
+
+    def slice_(pool: str) -> str:
+        return json.dumps(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceSlice",
+                "metadata": {"name": f"sec-{uuid.uuid4().hex[:8]}"},
+                "spec": {
+                    "driver": DRIVER_NAME,
+                    "nodeName": s.node,
+                    "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
+                },
+            }
+        )
+
+    wait_for(lambda: c.try_kubectl("create", "-f", "-", *as_agent, input=slice_("elsewhere"))[0] != 0, "policy active")
+    code, out = c.try_kubectl("create", "-f", "-", *as_agent, input=slice_("elsewhere"))
+    assert code != 0 and "spec.pool.name: the node agent of node" in out and "not elsewhere" in out, out
+    code, out = c.try_kubectl("create", "-f", "-", "-o", "name", *as_agent, input=slice_(s.node))
+    assert code == 0, out
+    c.kubectl("delete", out.strip())
+
+
+# --- item: the daemons' NetworkPolicy ------------------------------------------------------------------------
+
+
+def test_each_domain_gets_a_network_policy_selecting_its_own_daemons(installed: Installed) -> None:
+    s, c = installed, installed.cluster
+    pod = wait_for(lambda: running_pod(c, s.ns, "app.kubernetes.io/component=controller"), "controller pod")
+    # The chart's env and identity; only the HTTP port is a free one (processes here share the machine's ports).
+    script = (
+        "import asyncio, os, sys\nos.environ['HTTP_ENDPOINT'] = '127.0.0.1:0'\n"
+        "from computedomain.controller.app import main\nfrom computedomain.logs import configure_logging\n"
+        "from computedomain.settings import ControllerSettings, load_settings\n"
+        "s = load_settings(ControllerSettings)\nconfigure_logging(s)\n"
+        "sys.exit(asyncio.run(main(s, cd_namespace=sys.argv[1])))\n"
+    )
+    controller = run_like_pod(c, pod, "controller", s.tmp, argv=[sys.executable, "-c", script, s.workload_ns])
+    try:
+        for name in ("team-a", "team-b"):
+            c.apply(
+                {
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "ComputeDomain",
+                    "metadata": {"name": name, "namespace": s.workload_ns},
+                    "spec": {"numNodes": 0, "channel": {"resourceClaimTemplate": {"name": f"{name}-channel"}}},
+                }
+            )
+        uids = {n: c.get("computedomain", n, s.workload_ns)["metadata"]["uid"] for n in ("team-a", "team-b")}
+
+        def policies() -> dict[str, dict[str, Any]] | None:
+            items = json.loads(c.kubectl("get", "networkpolicies", "-n", s.ns, "-o", "json"))["items"]
+            found = {p["metadata"]["labels"].get(COMPUTE_DOMAIN_LABEL): p for p in items}
+            return found if set(uids.values()) <= set(found) else None
+
+        found = wait_for(policies, "a NetworkPolicy per domain", timeout=60)
+        # The node agent labels a node for team-a; the DaemonSet controller makes team-a's daemon pod there.
+        c.kubectl("label", "node", s.node, "--overwrite", f"{COMPUTE_DOMAIN_LABEL}={uids['team-a']}")
+        daemon = wait_for(
+            lambda: (json.loads(c.kubectl("get", "pods", "-n", s.ns, "-l", f"{COMPUTE_DOMAIN_LABEL}={uids['team-a']}", "-o", "json"))["items"] or [None])[0],
+            "team-a's daemon pod",
+        )  # fmt: skip
+        labels = daemon["metadata"]["labels"]
+
+        def selects(selector: dict[str, Any], pod_labels: dict[str, str]) -> bool:
+            return selector["matchLabels"].items() <= pod_labels.items() and not selector.get("matchExpressions")
+
+        own, other = found[uids["team-a"]]["spec"], found[uids["team-b"]]["spec"]
+        assert selects(own["podSelector"], labels) and not selects(other["podSelector"], labels)
+        (rule,) = own["ingress"]
+        assert rule["ports"] == [{"protocol": "TCP", "port": 50000}]  # nothing for 50005 or anything else
+        (peer,) = rule["from"]
+        assert set(peer) == {"podSelector"} and selects(peer["podSelector"], labels)
+        assert not selects(other["ingress"][0]["from"][0]["podSelector"], labels)
+        assert own["policyTypes"] == ["Ingress"]
+        # Teardown takes the policy with the domain.
+        c.kubectl("delete", "computedomain", "team-a", "-n", s.workload_ns, "--wait=false")
+        wait_for(
+            lambda: uids["team-a"] not in (policies() or {}) and _gone(c, s.ns, uids["team-a"]),
+            "policy gone",
+            timeout=60,
+        )
+    finally:
+        c.kubectl("label", "node", s.node, f"{COMPUTE_DOMAIN_LABEL}-", check=False)
+        c.kubectl("delete", "computedomains", "--all", "-n", s.workload_ns, "--wait=false", check=False)
+        controller.terminate()
+        controller.wait(timeout=30)
+
+
+def _gone(c: Cluster, ns: str, uid: str) -> bool:
+    out = c.kubectl("get", "networkpolicies", "-n", ns, "-l", f"{COMPUTE_DOMAIN_LABEL}={uid}", "-o", "name")
+    return not out.strip()
+
+
+# --- the RBAC table ------------------------------------------------------------------------------------------
+
+
+def test_rbac_table_matches_the_checked_in_one(installed: Installed) -> None:
+    """docs/rbac-table.md is what the apiserver grants each identity of the chart; a widened (or narrowed)
+    role fails here. RBAC_TABLE_UPDATE=1 rewrites the file from this run."""
+    s = installed
+    table = rbac_table.build(s.cluster, release_ns=s.ns, extra_ns=s.extra_ns, tenant_ns=s.tenant_ns, tmp=s.tmp)
+    path = REPO / "docs" / "rbac-table.md"
+    if os.environ.get("RBAC_TABLE_UPDATE") == "1":
+        path.write_text(table)
+    assert path.read_text() == table, f"the granted permissions changed; review, then RBAC_TABLE_UPDATE=1:\n{table}"
