@@ -251,6 +251,18 @@ class CommonSettings:
         return self.feature_gates.enabled(gate)
 
 
+# A Node's name: a DNS subdomain (RFC 1123). It becomes a pool name, a label value and part of object names.
+_NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", re.ASCII)
+
+
+def check_node_name(value: str) -> None:
+    if not _NODE_NAME.fullmatch(value):
+        raise SettingsError(
+            f"NODE_NAME {brief(value)} is not a Node name (a lower-case DNS subdomain); "
+            "set it from the downward API: spec.nodeName"
+        )
+
+
 def check_max_nodes(value: int) -> None:
     if not 1 <= value <= MAX_NODES_LIMIT:
         raise SettingsError(
@@ -373,6 +385,7 @@ class PluginSettings(CommonSettings):
             parse_endpoint(self.http_endpoint)
         if not self.node_name:
             raise SettingsError("NODE_NAME is required (set it from the downward API: spec.nodeName)")
+        check_node_name(self.node_name)
         if self.health_port > 65535:
             raise SettingsError(
                 f"HEALTHCHECK_PORT {self.health_port} must be at most 65535 (negative: no health server)"
@@ -488,6 +501,7 @@ __all__ = [
     "PluginSettings",
     "SettingsError",
     "check_max_nodes",
+    "check_node_name",
     "describe",
     "load_settings",
     "parse_endpoint",

@@ -21,7 +21,14 @@ from pathlib import Path
 
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
 from computedomain.api.limits import brief
-from computedomain.settings import CommonSettings, FeatureGate, SettingsError, check_max_nodes, setting
+from computedomain.settings import (
+    CommonSettings,
+    FeatureGate,
+    SettingsError,
+    check_max_nodes,
+    check_node_name,
+    setting,
+)
 from imex.config import hostname_prefix
 
 __all__ = ["DaemonSettings"]
@@ -142,5 +149,6 @@ class DaemonSettings(CommonSettings):
         ):
             if not value:
                 raise SettingsError(f"{env} is required (set it from the downward API)")
+        check_node_name(self.node_name)
         if not self.use_cliques and not self.cd_name:
             raise SettingsError("COMPUTE_DOMAIN_NAME is required with ComputeDomainCliques=false (CDI env)")

@@ -88,6 +88,12 @@ def test_defaults_and_a_disabled_health_port_stay_valid() -> None:
     assert (settings.kube_api_qps, settings.kube_api_burst) == (50.0, 100)
 
 
+@pytest.mark.parametrize("node", ["a/b", "Node-1", "gb\n1", "x" * 300, "-a"])
+def test_node_name_must_be_a_node_name(node: str) -> None:
+    with pytest.raises(SettingsError, match="NODE_NAME"):
+        load_settings(PluginSettings, environ={"NODE_NAME": node})
+
+
 def test_daemon_timings_reject_nan() -> None:
     from imex.daemon.settings import DaemonSettings
 
