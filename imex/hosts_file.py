@@ -205,8 +205,14 @@ def _write_in_place(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _check_address(address: str) -> None:
+def is_ip_address(text: str) -> bool:
     try:
-        ipaddress.ip_address(address)
+        ipaddress.ip_address(text)
     except ValueError:
-        raise HostsFileError(f"{address!r} is not an IP address") from None
+        return False
+    return True
+
+
+def _check_address(address: str) -> None:
+    if not is_ip_address(address):
+        raise HostsFileError(f"{address!r} is not an IP address")

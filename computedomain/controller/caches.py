@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
 from computedomain.api.models import ComputeDomain, ComputeDomainClique
@@ -48,9 +48,13 @@ from computedomain.kube.client import (
     PODS,
     RESOURCE_CLAIM_TEMPLATES,
     KubeClient,
+    Raw,
+    Resource,
 )
 from computedomain.kube.informer import Informer, wait_for_sync
 from computedomain.settings import ControllerSettings, FeatureGate
+
+T = TypeVar("T", Child, PodView)
 
 OVERLAY_TTL = 60.0
 CD_INDEX = "cd"
@@ -73,34 +77,12 @@ class Caches:
             name="computedomains",
             indexers={"uid": _uid},
         )
-        self.daemonsets: list[Informer[Child]] = [
-            Informer(
-                client,
-                DAEMONSETS,
-                namespace=ns,
-                label_selector=COMPUTE_DOMAIN_LABEL,
-                decode=decode_daemonset,
-                name=f"daemonsets/{ns}",
-                indexers={CD_INDEX: _cd_label},
-            )
-            for ns in settings.managed_namespaces
-        ]
+        self.daemonsets: list[Informer[Child]] = self._labelled(client, DAEMONSETS, decode_daemonset)
         # Watched also when DAEMON_NETWORK_POLICY is off, so the policies of an earlier setting are torn down
         # with their domains and swept with the orphans.
         self.network_policies: list[Informer[Child]] = []
         if not settings.host_managed:
-            self.network_policies = [
-                Informer(
-                    client,
-                    NETWORK_POLICIES,
-                    namespace=ns,
-                    label_selector=COMPUTE_DOMAIN_LABEL,
-                    decode=decode_network_policy,
-                    name=f"networkpolicies/{ns}",
-                    indexers={CD_INDEX: _cd_label},
-                )
-                for ns in settings.managed_namespaces
-            ]
+            self.network_policies = self._labelled(client, NETWORK_POLICIES, decode_network_policy)
         self.templates: Informer[Child] = Informer(
             client,
             RESOURCE_CLAIM_TEMPLATES,
@@ -120,18 +102,7 @@ class Caches:
         self.pods: list[Informer[PodView]] = []
         self.cliques: list[Informer[ComputeDomainClique]] = []
         if not settings.host_managed:
-            self.pods = [
-                Informer(
-                    client,
-                    PODS,
-                    namespace=ns,
-                    label_selector=COMPUTE_DOMAIN_LABEL,
-                    decode=decode_pod,
-                    name=f"pods/{ns}",
-                    indexers={CD_INDEX: _cd_label},
-                )
-                for ns in settings.managed_namespaces
-            ]
+            self.pods = self._labelled(client, PODS, decode_pod)
             if settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES):
                 self.cliques = [
                     Informer(
@@ -151,6 +122,21 @@ class Caches:
         self.cds.add_handler(on_update=lambda _old, new: self._cd_seen(new), on_delete=self._cd_gone)
         for informer in (*self.daemonsets, *self.network_policies, self.templates):
             informer.add_handler(on_add=self._seen, on_update=lambda _old, new: self._seen(new), on_delete=self._seen)
+
+    def _labelled(self, client: KubeClient, resource: Resource, decode: Callable[[Raw], T]) -> list[Informer[T]]:
+        """One informer per managed namespace of the objects carrying the CD label, indexed by its value."""
+        return [
+            Informer(
+                client,
+                resource,
+                namespace=ns,
+                label_selector=COMPUTE_DOMAIN_LABEL,
+                decode=decode,
+                name=f"{resource.plural}/{ns}",
+                indexers={CD_INDEX: _cd_label},
+            )
+            for ns in self.settings.managed_namespaces
+        ]
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 

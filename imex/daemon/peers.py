@@ -24,7 +24,6 @@ pass (API errors, a full clique) are logged and retried with backoff; the next e
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from imex.daemon.files import write_file_atomically
 from imex.daemon.loop import run_on_changes
 from imex.daemon.process import ImexProcess
 from imex.daemon.registration import DaemonEntry, RegistrationError, Registry
-from imex.hosts_file import HostEntry, HostsFileError, slot_entries, update_hosts_file
+from imex.hosts_file import HostEntry, HostsFileError, is_ip_address, slot_entries, update_hosts_file
 
 __all__ = ["Action", "Applied", "Decision", "PeerSync", "PeerView", "decide", "peer_view"]
 
@@ -86,7 +85,7 @@ def peer_view(
         if not entry.ip_address:
             problems.append(f"node {shown(entry.node_name)}: no IP address")
             continue
-        if not _is_ip(entry.ip_address):
+        if not is_ip_address(entry.ip_address):
             # Another daemon's entry: one bad address must not stop the hosts file of the whole clique.
             problems.append(f"node {shown(entry.node_name)}: {brief(entry.ip_address)} is not an IP address")
             continue
@@ -98,14 +97,6 @@ def peer_view(
         addresses[entry.index] = entry.ip_address
     enough = num_nodes is None or len(entries) >= num_nodes
     return PeerView(own=own, addresses=addresses, enough=enough, problems=tuple(problems))
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 class Action(StrEnum):

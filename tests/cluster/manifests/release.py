@@ -50,6 +50,11 @@ def bound_kubeconfig(cluster: Cluster, namespace: str, service_account: str, pod
         "create", "token", service_account, "-n", namespace, "--bound-object-kind=Pod",
         f"--bound-object-name={pod}", "--duration=1h",
     ).strip()  # fmt: skip
+    return token_kubeconfig(cluster, token, namespace, path)
+
+
+def token_kubeconfig(cluster: Cluster, token: str, namespace: str, path: Path) -> Path:
+    """A kubeconfig for the test bed's apiserver holding only `token`."""
     admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
     server = admin["clusters"][0]["cluster"]
     path.write_text(
@@ -117,6 +122,23 @@ def run_like_pod(
     return subprocess.Popen(
         argv or local_argv(c["command"]), env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO
     )
+
+
+# The real controller with the chart's env and its pod's identity, limited to the domains of one namespace
+# (the cluster is shared); its RBAC is the chart's. Only its HTTP port is a free one: processes here share
+# the machine's ports.
+CONTROLLER_SCRIPT = (
+    "import asyncio, os, sys\nos.environ['HTTP_ENDPOINT'] = '127.0.0.1:0'\n"
+    "from computedomain.controller.app import main\nfrom computedomain.logs import configure_logging\n"
+    "from computedomain.settings import ControllerSettings, load_settings\n"
+    "s = load_settings(ControllerSettings)\nconfigure_logging(s)\n"
+    "sys.exit(asyncio.run(main(s, cd_namespace=sys.argv[1])))\n"
+)
+
+
+def run_controller(cluster: Cluster, pod: dict[str, Any], tmp: Path, cd_namespace: str) -> subprocess.Popen[str]:
+    """The controller container of `pod`, run here (see CONTROLLER_SCRIPT) for the domains of `cd_namespace`."""
+    return run_like_pod(cluster, pod, "controller", tmp, argv=[sys.executable, "-c", CONTROLLER_SCRIPT, cd_namespace])
 
 
 def mark_succeeded(cluster: Cluster, pod: dict[str, Any]) -> None:

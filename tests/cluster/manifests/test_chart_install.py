@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from tests.cluster.manifests.release import (
     helm,
     install_args,
     mark_succeeded,
+    run_controller,
     run_like_pod,
     running_pod,
     wait_for,
@@ -248,17 +248,7 @@ def test_uninstall_tears_domains_down_before_the_controller(
     try:
         release.install(f"uninstall.namespaces={{{workloads}}}", "controller.replicas=1")
         pod = wait_for(lambda: running_pod(cluster, ns, "app.kubernetes.io/component=controller"), "controller pod")
-        # The real controller with the chart's env and the pod's identity, limited to this test's domains
-        # (the cluster is shared); its RBAC is the chart's. Only its HTTP port is a free one: processes here
-        # share the machine's ports.
-        script = (
-            "import asyncio, os, sys\nos.environ['HTTP_ENDPOINT'] = '127.0.0.1:0'\n"
-            "from computedomain.controller.app import main\nfrom computedomain.logs import configure_logging\n"
-            "from computedomain.settings import ControllerSettings, load_settings\n"
-            "s = load_settings(ControllerSettings)\nconfigure_logging(s)\n"
-            "sys.exit(asyncio.run(main(s, cd_namespace=sys.argv[1])))\n"
-        )
-        controller = run_like_pod(cluster, pod, "controller", tmp_path, argv=[sys.executable, "-c", script, workloads])
+        controller = run_controller(cluster, pod, tmp_path, workloads)
         cluster.apply(_cd("job"), workloads)
         wait_for(
             lambda: "job-channel" in _names(cluster, "resourceclaimtemplates", workloads),

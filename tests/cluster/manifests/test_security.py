@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,8 +28,9 @@ from tests.cluster.manifests.release import (
     bound_kubeconfig,
     helm,
     install_args,
-    run_like_pod,
+    run_controller,
     running_pod,
+    token_kubeconfig,
     wait_for,
 )
 from tests.conftest import REPO, Cluster
@@ -94,6 +94,19 @@ def installed(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
         cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)
 
 
+def _create_cd(c: Cluster, namespace: str, name: str, num_nodes: int = 0) -> str:
+    """A ComputeDomain; its UID."""
+    c.apply(
+        {
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "ComputeDomain",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"numNodes": num_nodes, "channel": {"resourceClaimTemplate": {"name": f"{name}-channel"}}},
+        }
+    )
+    return str(c.get("computedomain", name, namespace)["metadata"]["uid"])
+
+
 def _drop_finalizers(cluster: Cluster, namespaces: list[str]) -> None:
     """What a failed test may leave behind with our finalizer and no controller to remove it."""
     for ns in namespaces:
@@ -155,35 +168,13 @@ def _tenant_kubeconfig(s: Installed) -> Path:
         ]
     )
     token = c.kubectl("create", "token", "tenant", "-n", ns, "--duration=1h").strip()
-    admin = yaml.safe_load(Path(c.kubeconfig).read_text())
-    path = s.tmp / "tenant.kubeconfig"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": admin["clusters"][0]["cluster"]}],
-                "users": [{"name": "tenant", "user": {"token": token}}],
-                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "tenant", "namespace": ns}}],
-                "current-context": "c",
-            }
-        )
-    )
-    return path
+    return token_kubeconfig(c, token, ns, s.tmp / "tenant.kubeconfig")
 
 
 def test_tenant_cannot_claim_a_daemon_device(installed: Installed) -> None:
     s, c = installed, installed.cluster
     # The victim: a ComputeDomain of another team; the tenant learnt its UID.
-    c.apply(
-        {
-            "apiVersion": "resource.nvidia.com/v1beta1",
-            "kind": "ComputeDomain",
-            "metadata": {"name": "victim", "namespace": s.workload_ns},
-            "spec": {"numNodes": 0, "channel": {"resourceClaimTemplate": {"name": "victim-channel"}}},
-        }
-    )
-    victim = c.get("computedomain", "victim", s.workload_ns)["metadata"]["uid"]
+    victim = _create_cd(c, s.workload_ns, "victim")
     tenant = _tenant_kubeconfig(s)
     daemon_request = {"name": "daemon", "exactly": {"deviceClassName": DAEMON_DEVICE_CLASS}}
     channel_request = {"name": "channel", "exactly": {"deviceClassName": CHANNEL_CLASS}}
@@ -355,16 +346,7 @@ def test_legacy_daemon_writes_only_its_own_status_entry(installed: Installed) ->
     """ComputeDomainCliques=false: daemons write their domain's status.nodes. The policy's rules, with RBAC
     out of the way (a group that may do anything), so only the policy decides."""
     s, c = installed, installed.cluster
-    for name in ("legacy-mine", "legacy-theirs"):
-        c.apply(
-            {
-                "apiVersion": "resource.nvidia.com/v1beta1",
-                "kind": "ComputeDomain",
-                "metadata": {"name": name, "namespace": s.workload_ns},
-                "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": f"{name}-channel"}}},
-            }
-        )
-    mine = c.get("computedomain", "legacy-mine", s.workload_ns)["metadata"]["uid"]
+    mine, _ = (_create_cd(c, s.workload_ns, name, num_nodes=2) for name in ("legacy-mine", "legacy-theirs"))
     pod = _daemon_pod(s, mine)
     who = [
         f"--as={s.user(DAEMON_SA)}",
@@ -452,26 +434,9 @@ def test_node_agent_publishes_only_its_own_pool(installed: Installed) -> None:
 def test_each_domain_gets_a_network_policy_selecting_its_own_daemons(installed: Installed) -> None:
     s, c = installed, installed.cluster
     pod = wait_for(lambda: running_pod(c, s.ns, "app.kubernetes.io/component=controller"), "controller pod")
-    # The chart's env and identity; only the HTTP port is a free one (processes here share the machine's ports).
-    script = (
-        "import asyncio, os, sys\nos.environ['HTTP_ENDPOINT'] = '127.0.0.1:0'\n"
-        "from computedomain.controller.app import main\nfrom computedomain.logs import configure_logging\n"
-        "from computedomain.settings import ControllerSettings, load_settings\n"
-        "s = load_settings(ControllerSettings)\nconfigure_logging(s)\n"
-        "sys.exit(asyncio.run(main(s, cd_namespace=sys.argv[1])))\n"
-    )
-    controller = run_like_pod(c, pod, "controller", s.tmp, argv=[sys.executable, "-c", script, s.workload_ns])
+    controller = run_controller(c, pod, s.tmp, s.workload_ns)
     try:
-        for name in ("team-a", "team-b"):
-            c.apply(
-                {
-                    "apiVersion": "resource.nvidia.com/v1beta1",
-                    "kind": "ComputeDomain",
-                    "metadata": {"name": name, "namespace": s.workload_ns},
-                    "spec": {"numNodes": 0, "channel": {"resourceClaimTemplate": {"name": f"{name}-channel"}}},
-                }
-            )
-        uids = {n: c.get("computedomain", n, s.workload_ns)["metadata"]["uid"] for n in ("team-a", "team-b")}
+        uids = {name: _create_cd(c, s.workload_ns, name) for name in ("team-a", "team-b")}
 
         def policies() -> dict[str, dict[str, Any]] | None:
             items = json.loads(c.kubectl("get", "networkpolicies", "-n", s.ns, "-o", "json"))["items"]

@@ -89,3 +89,17 @@ def env_of(c: dict[str, Any], field_values: dict[str, str] | None = None) -> dic
         else:
             out[item["name"]] = field_values.get(item["valueFrom"]["fieldRef"]["fieldPath"], "<downward>")
     return out
+
+
+def admission_policy(r: Rendered, suffix: str) -> dict[str, Any]:
+    """The ValidatingAdmissionPolicy whose name ends in `suffix`, after checking its binding denies."""
+    (policy,) = [p for p in r.all("ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith(suffix)]
+    (binding,) = [
+        b for b in r.all("ValidatingAdmissionPolicyBinding") if b["spec"]["policyName"] == policy["metadata"]["name"]
+    ]
+    assert binding["spec"]["validationActions"] == ["Deny"] and policy["spec"]["failurePolicy"] == "Fail"
+    return policy
+
+
+def policy_variables(policy: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v["expression"] for v in policy["spec"]["variables"]}

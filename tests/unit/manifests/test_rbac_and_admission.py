@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from computedomain.api.models import ComputeDomainChannelConfig, ComputeDomainDaemonConfig
-from tests.unit.manifests.chart import HOST_MANAGED, Rendered, render
+from tests.unit.manifests.chart import HOST_MANAGED, Rendered, admission_policy, policy_variables, render
 
 Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
 
@@ -127,17 +127,8 @@ def test_uninstall_permissions_exist_only_during_hooks(default: Rendered) -> Non
     assert "hook" not in str(render().objects)  # without hooks, nothing of them remains
 
 
-def _policy(r: Rendered, suffix: str) -> dict[str, Any]:
-    (policy,) = [p for p in r.all("ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith(suffix)]
-    (binding,) = [
-        b for b in r.all("ValidatingAdmissionPolicyBinding") if b["spec"]["policyName"] == policy["metadata"]["name"]
-    ]
-    assert binding["spec"]["validationActions"] == ["Deny"] and policy["spec"]["failurePolicy"] == "Fail"
-    return policy
-
-
 def test_node_agent_policy_covers_every_write_it_is_granted(default: Rendered) -> None:
-    policy = _policy(default, "node-agent-own-node")
+    policy = admission_policy(default, "node-agent-own-node")
     (condition,) = policy["spec"]["matchConditions"]
     assert "system:serviceaccount:nvidia-compute-domain:compute-domain-kubelet-plugin" in condition["expression"]
     matched = {
@@ -153,14 +144,10 @@ def test_node_agent_policy_covers_every_write_it_is_granted(default: Rendered) -
             assert (group, resource, verb_to_op[verb]) in matched, (resource, verb)
 
 
-def _variables(policy: dict[str, Any]) -> dict[str, str]:
-    return {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
-
-
 def test_opaque_config_policy_agrees_with_the_decoder(default: Rendered) -> None:
-    policy = _policy(default, "opaque-configs")
+    policy = admission_policy(default, "opaque-configs")
     assert {op for r in policy["spec"]["matchConstraints"]["resourceRules"] for op in r["operations"]} == {"CREATE"}
-    variables = _variables(policy)
+    variables = policy_variables(policy)
     for model in (ComputeDomainChannelConfig, ComputeDomainDaemonConfig):
         aliases = {f.alias or name for name, f in model.model_fields.items()}
         (listed,) = re.findall(rf"'{model.__name__}': \[([^\]]*)\]", variables["fields"])

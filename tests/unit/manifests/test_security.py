@@ -16,9 +16,18 @@ import pytest
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, DAEMON_DEVICE_CLASS
 from computedomain.controller import daemonset
+from computedomain.controller.network_policy import network_policy
 from imex import hosts_file
 from tests.unit.controller.helpers import compute_domain, settings
-from tests.unit.manifests.chart import HOST_MANAGED, REPO, Rendered, container, render
+from tests.unit.manifests.chart import (
+    HOST_MANAGED,
+    REPO,
+    Rendered,
+    admission_policy,
+    container,
+    policy_variables,
+    render,
+)
 
 READ = ("get", "list", "watch")
 
@@ -119,29 +128,16 @@ def test_hosts_file_is_rewritten_in_place_under_a_read_only_root(monkeypatch: py
         assert "localhost" in hosts.read_text()
 
 
-def _policy(r: Rendered, suffix: str) -> dict[str, Any]:
-    (policy,) = [p for p in r.all("ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith(suffix)]
-    (binding,) = [
-        b for b in r.all("ValidatingAdmissionPolicyBinding") if b["spec"]["policyName"] == policy["metadata"]["name"]
-    ]
-    assert binding["spec"]["validationActions"] == ["Deny"] and policy["spec"]["failurePolicy"] == "Fail"
-    return policy
-
-
-def _variables(policy: dict[str, Any]) -> dict[str, str]:
-    return {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
-
-
 def test_daemon_claims_policy_in_both_modes() -> None:
     for sets in ((), HOST_MANAGED):
         r = render("additionalNamespaces={old-driver}", *sets)
-        policy = _policy(r, "daemon-claims")
+        policy = admission_policy(r, "daemon-claims")
         rules = policy["spec"]["matchConstraints"]["resourceRules"]
         assert {(res, op) for rule in rules for res in rule["resources"] for op in rule["operations"]} == {
             ("resourceclaims", "CREATE"),
             ("resourceclaimtemplates", "CREATE"),
         }
-        variables = _variables(policy)
+        variables = policy_variables(policy)
         assert variables["namespaces"].strip("'") == '["nvidia-compute-domain","old-driver"]'
         assert "system:serviceaccount:nvidia-compute-domain:compute-domain-controller" in variables["creators"]
         assert "system:serviceaccount:kube-system:resource-claim-controller" in variables["creators"]
@@ -150,7 +146,7 @@ def test_daemon_claims_policy_in_both_modes() -> None:
 
 
 def test_daemon_identity_policy_covers_every_write_the_daemon_is_granted(default: Rendered) -> None:
-    policy = _policy(render("additionalNamespaces={old-driver}"), "daemon-identity")
+    policy = admission_policy(render("additionalNamespaces={old-driver}"), "daemon-identity")
     (condition,) = policy["spec"]["matchConditions"]
     for ns in ("nvidia-compute-domain", "old-driver"):
         assert f"system:serviceaccount:{ns}:compute-domain-daemon-service-account" in condition["expression"]
@@ -174,7 +170,7 @@ def test_daemon_identity_policy_covers_every_write_the_daemon_is_granted(default
                             for verb in rule["verbs"]:
                                 if verb in verb_to_op:
                                     assert (group, resource, verb_to_op[verb]) in matched, (resource, verb)
-    variables = _variables(policy)
+    variables = policy_variables(policy)
     # The domain comes from the pod name the DaemonSet gives its pods: computedomain-daemon-<uid>-xxxxx.
     assert "computedomain-daemon-" in variables["domain"] and "substring(21, 57)" in variables["domain"]
     assert len(daemonset.daemonset(compute_domain(), settings())["metadata"]["name"]) == 57
@@ -184,13 +180,11 @@ def test_daemon_identity_policy_covers_every_write_the_daemon_is_granted(default
 
 
 def test_node_agent_policy_checks_the_pool_name(default: Rendered) -> None:
-    policy = _policy(default, "node-agent-own-node")
+    policy = admission_policy(default, "node-agent-own-node")
     assert any("spec.?pool.?name" in v["expression"] for v in policy["spec"]["validations"])
 
 
 def test_daemon_pods_carry_the_label_the_network_policy_selects() -> None:
-    from computedomain.controller.network_policy import network_policy
-
     cd = compute_domain()
     ds = daemonset.daemonset(cd, settings())
     policy = network_policy(cd, settings())
