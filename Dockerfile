@@ -9,12 +9,10 @@
 #                     # an instruction it does not reproduce, so keep to the ones it knows or teach it
 
 
-# The base is pinned by tag (Python minor, Debian release), not yet by digest: no digest has been checked
-# against the registry for this file. For a release build, resolve it (`docker buildx imagetools inspect
-# python:3.11-slim-bookworm`) and pass --build-arg PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:<digest>.
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-
-FROM ${PYTHON_IMAGE} AS build
+# The base is pinned by tag (Python minor and Debian release, the same pair `make image` builds from Debian
+# packages), not yet by digest: no digest has been checked against a registry for this file. A release build
+# should pin both FROM lines to `python:3.11-slim-bookworm@sha256:<digest>`.
+FROM python:3.11-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # Dependencies first (pinned in pyproject.toml), so code changes reuse this layer.
@@ -27,7 +25,7 @@ COPY computedomain ./computedomain
 COPY imex ./imex
 RUN /opt/venv/bin/pip install --no-deps .
 
-FROM ${PYTHON_IMAGE}
+FROM python:3.11-slim-bookworm
 # chroot (coreutils, already in the base image) runs nvidia-imex-ctl inside the driver root (node agent,
 # hostManaged). No init: the pods' `command` replaces any entrypoint, and every process here handles
 # SIGTERM itself and waits for its own children.

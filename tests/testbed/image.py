@@ -81,6 +81,7 @@ class ImageSpec:
     uid: int = 0
     gid: int = 0
     shell: str = ""
+    run_as: str = ""  # USER of the final stage; empty: root
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     cmd: list[str] = field(default_factory=list)
@@ -148,10 +149,13 @@ def parse_dockerfile(text: str) -> ImageSpec:
     env = dict(BASE_ENV)
     for keyword, args in final:
         if keyword == "FROM":
-            match = re.fullmatch(r"python:(\d+\.\d+)-slim", args)
+            match = re.fullmatch(r"python:(\d+\.\d+)-slim(?:-([a-z]+))?", args)
             if not match:
-                raise DockerfileError(f"final stage FROM {args!r}: only python:X.Y-slim is understood")
+                raise DockerfileError(f"final stage FROM {args!r}: only python:X.Y-slim[-<debian>] is understood")
             spec.python = match.group(1)
+            if match.group(2) and DEBIAN_FOR_PYTHON.get(spec.python) != match.group(2):
+                raise DockerfileError(f"final stage FROM {args!r}: python {spec.python} is built on "
+                                      f"{DEBIAN_FOR_PYTHON.get(spec.python)!r} here")  # fmt: skip
         elif keyword == "RUN":
             match = _USERADD.fullmatch(" ".join(args.split()))
             if not match or match.group("group") != match.group("user"):
@@ -170,6 +174,10 @@ def parse_dockerfile(text: str) -> ImageSpec:
                 env[key] = re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: env.get(m.group(1) or m.group(2), ""), value)
         elif keyword == "LABEL":
             spec.labels.update(_pairs(args))
+        elif keyword == "USER":
+            if not re.fullmatch(r"\d+(:\d+)?", args):
+                raise DockerfileError(f"USER {args!r}: only a numeric uid[:gid] is understood")
+            spec.run_as = args
         elif keyword == "CMD":
             try:
                 cmd = json.loads(args)
@@ -411,9 +419,13 @@ def build(dockerfile: Path = DOCKERFILE) -> Built:
     lowers = [la.path.parent / "tree" for la in reversed(layers[1:])] + [rootfs]
     name = image_name()
     config = ImageConfig(
-        env=[f"{k}={v}" for k, v in spec.env.items()], cmd=spec.cmd, labels=spec.labels, working_dir="/"
+        env=[f"{k}={v}" for k, v in spec.env.items()],
+        cmd=spec.cmd,
+        user=spec.run_as,
+        labels=spec.labels,
+        working_dir="/",
     )
-    key = _digest("image", 1, name, [la.digest for la in layers], config.env, config.cmd, config.labels)
+    key = _digest("image", 2, name, [la.digest for la in layers], config.env, config.cmd, config.user, config.labels)
     out = CACHE / f"image-{key}"
     archive = out / "computedomain.oci.tar"
     rebuilt = not archive.exists()

@@ -20,6 +20,7 @@ def test_the_dockerfile_is_the_image_the_builder_makes() -> None:
     spec = parse_dockerfile(DOCKERFILE.read_text())
     assert spec.python == "3.11"
     assert (spec.user, spec.uid, spec.gid) == ("computedomain", 65532, 65532)
+    assert spec.run_as == f"{spec.uid}:{spec.gid}"  # non-root by default; the chart says where root is needed
     assert spec.venv == "/opt/venv"
     assert spec.env["PATH"].startswith("/opt/venv/bin:")
     assert spec.env["PYTHONUNBUFFERED"] == "1"
@@ -46,9 +47,10 @@ def test_one_list_of_dependencies() -> None:
     ("change", "message"),
     [
         (lambda t: t.replace("CMD [", 'ENTRYPOINT ["tini"]\nCMD ['), "ENTRYPOINT"),
-        (lambda t: t.replace("FROM python:3.11-slim\n", "FROM python:3.12-slim\n"), "python 3.12"),
+        (lambda t: t.replace("FROM python:3.11-slim-bookworm\n", "FROM python:3.12-slim\n"), "python 3.12"),
+        (lambda t: t.replace("FROM python:3.11-slim-bookworm\n", "FROM python:3.11-slim-trixie\n"), "bookworm"),
         (lambda t: t + "\nRUN apt-get install -y curl\n", "RUN"),
-        (lambda t: t + "\nUSER 65532\n", "USER"),
+        (lambda t: t + "\nUSER computedomain\n", "USER"),
         (lambda t: t.replace("COPY --from=build /opt/venv /opt/venv", "COPY --from=build /opt/venv /venv"), "COPY"),
         (lambda t: t.replace("/opt/venv/bin/pip install --no-deps .", "/opt/venv/bin/pip install ."), "--no-deps"),
         (lambda t: t.replace('CMD ["python", "-m", "computedomain", "--help"]', "CMD python -m computedomain"), "JSON"),
