@@ -10,16 +10,15 @@ import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from tests.testbed.cluster import LocalCluster, running_cluster
+from tests.testbed.cluster import REPO, LocalCluster, running_cluster
 from tests.testbed.nodes import gb200_node
 
-REPO = Path(__file__).resolve().parents[1]
+__all__ = ["REPO", "Cluster", "MakeNode"]
 
 # Property tests: `ci` (the default) derandomizes, so the examples follow from each test's source and a
 # failure replays on every run; `HYPOTHESIS_PROFILE=explore` searches with a random seed, which hypothesis
@@ -65,29 +64,22 @@ class Cluster:
         return result
 
 
-def _install_base(cluster: Cluster) -> None:
-    """CRDs and DeviceClasses: what every cluster test of this service needs installed."""
-    cluster.kubectl("apply", "-f", str(REPO / "manifests" / "crds"), "-f", str(REPO / "manifests" / "deviceclasses"))
-    crds = [f"crd/{plural}.resource.nvidia.com" for plural in ("computedomains", "computedomaincliques")]
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
-
-
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
+    """The control plane with this service's CRDs and DeviceClasses installed (left installed afterwards: a
+    reused cluster keeps them for the next run; a cluster started here is stopped anyway)."""
     with running_cluster() as local:
-        wrapped = Cluster(local)
-        _install_base(wrapped)
-        yield wrapped
+        local.install_base()
+        yield Cluster(local)
 
 
 @pytest.fixture
 def namespace(cluster: Cluster) -> Iterator[str]:
     """A fresh namespace per test, with its default ServiceAccount (pods need it); deleted afterwards."""
     name = f"t-{uuid.uuid4().hex[:10]}"
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("wait", "--for=create", "--timeout=60s", "serviceaccount/default", "-n", name)
+    cluster.local.create_namespace(name)
     yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    cluster.local.delete_namespace(name)
 
 
 MakeNode = Callable[..., dict[str, Any]]

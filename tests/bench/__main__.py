@@ -1,45 +1,110 @@
-"""`python -m tests.bench [NAME ...]`: run the named benchmarks (default: all) and print one report.
+"""`python -m tests.bench [--smoke] [--out DIR] [--cluster DIR] [NAME ...]`: run benchmarks, write the report.
 
-Each benchmark is a module `tests.bench.<name>` with `async def main() -> None` that prints its own
-section. They share the local control plane (started if none runs, stopped afterwards if started here).
+Each benchmark is a module `tests.bench.<name>` with `async def run(bench: Bench) -> None` that fills its
+`Section` (figures, series, notes). They share the local control plane under `--cluster` (default
+`.cluster/`; started if none runs there, stopped afterwards if started here). Before the first benchmark the
+CRDs and DeviceClasses are installed as the test fixtures install them, and removed at the end if they
+were not there before; each benchmark removes what it created itself.
+
+Output: every figure's line as it is measured, the summary at the end, and in `--out` (default `.bench/`)
+`summary.txt`, `report.md` and `plots/`. `--smoke` runs each benchmark at a size of seconds (a handful of
+domains, a few nodes, one round): what `make test` runs to prove every `make bench*` target still works.
+
+A benchmark that fails prints one line (`bench NAME failed while <step>: <reason>`), the others still run,
+and the exit status is 1.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib
 import sys
 import time
+from pathlib import Path
 
-from tests.testbed.cluster import running_cluster
+from tests.bench.figures import Section
+from tests.bench.harness import Bench
+from tests.bench.report import summary, write
+from tests.testbed.cluster import DEFAULT_ROOT, REPO, LocalCluster, running_cluster
 
-BENCHMARKS = ("controller", "plugin", "system")
+BENCHMARKS = ("controller", "plugin", "system", "fleet")
+TITLES = {
+    "controller": "Controller (SPEC 9: create burst, Ready latency, 1,000 domains on 2,000 nodes)",
+    "plugin": "Node agent Prepare (SPEC 9: channel Prepare p99)",
+    "system": "72-node domain on the simulated cluster (SPEC 9: a rack in seconds)",
+    "fleet": "Fleet: 1,000 kwok nodes, 200 domains (controller convergence, requests, memory)",
+}
+
+
+async def _run_one(name: str, local: LocalCluster, section: Section, smoke: bool) -> None:
+    bench = Bench(local, section, smoke=smoke)
+    try:
+        module = importlib.import_module(f"tests.bench.{name}")
+        await module.run(bench)
+    except (Exception, asyncio.CancelledError) as exc:
+        section.failed = bench.failure(exc)
+    finally:
+        with bench.step("cleaning up"):
+            try:
+                await bench.close()
+            except Exception as exc:
+                section.failed = section.failed or bench.failure(exc)
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(BENCHMARKS)
+    parser = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: all of {BENCHMARKS})")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: proves the benchmarks work")
+    parser.add_argument("--out", type=Path, default=REPO / ".bench", help="report directory (default .bench/)")
+    parser.add_argument("--cluster", type=Path, default=DEFAULT_ROOT, help="cluster directory (default .cluster/)")
+    parser.add_argument("--no-plots", action="store_true", help="report without plots")
+    args = parser.parse_args(argv)
+    names = args.names or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        print(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        print(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
-    missing: list[str] = []
-    with running_cluster():
-        for name in names:
+    sections: list[Section] = []
+    started = time.monotonic()
+    try:
+        with running_cluster(args.cluster) as local:
+            added = local.install_base()
             try:
-                module = importlib.import_module(f"tests.bench.{name}")
-            except ModuleNotFoundError as exc:
-                if exc.name != f"tests.bench.{name}":
-                    raise
-                missing.append(name)
-                continue
-            print(f"\n=== benchmark: {name} ===", flush=True)
-            start = time.monotonic()
-            asyncio.run(module.main())
-            print(f"--- {name} took {time.monotonic() - start:.1f}s", flush=True)
-    if missing:
-        print(f"\nnot available yet: {', '.join(missing)}", file=sys.stderr)
+                for name in names:
+                    section = Section(TITLES[name])
+                    sections.append(section)
+                    print(f"\n=== benchmark: {name}{' (smoke size)' if args.smoke else ''} ===", flush=True)
+                    t0 = time.monotonic()
+                    asyncio.run(_run_one(name, local, section, args.smoke))
+                    for figure in section.figures:
+                        print(f"  {figure.line()}", flush=True)
+                    if section.failed:
+                        print(f"bench {name} {section.failed}", file=sys.stderr, flush=True)
+                    print(f"--- {name} took {time.monotonic() - t0:.1f}s", flush=True)
+            finally:
+                local.remove_base(added)
+    except Exception as exc:
+        print(f"bench: {' '.join(str(exc).split())[:400] or type(exc).__name__}", file=sys.stderr)
         return 1
-    return 0
+    text = summary(sections)
+    print(f"\n===== summary ({time.monotonic() - started:.0f}s) =====\n{text}", end="", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.txt").write_text(text)
+    header = [
+        f"`python -m tests.bench {' '.join(argv)}`".replace("  ", " "),
+        "",
+        "Medians and p99 over all samples of all rounds; spread: the lowest and highest per-round median. "
+        "Failed operations are counted apart and never enter a latency. Latencies run from the request that "
+        "causes a change to the watch event that shows it, on one clock.",
+    ]
+    try:
+        report = write(sections, args.out, header=header, plots=not args.no_plots)
+        print(f"report: {report}  (summary: {args.out / 'summary.txt'})")
+    except Exception as exc:
+        print(f"bench: writing the report failed: {exc}", file=sys.stderr)
+        return 1
+    return 1 if any(s.failed for s in sections) else 0
 
 
 if __name__ == "__main__":

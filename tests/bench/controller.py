@@ -1,19 +1,20 @@
-"""Controller benchmarks (SPEC section 9); prints medians, p99 and ratios, asserts nothing.
+"""Controller benchmarks (SPEC section 9), over several rounds; every latency runs from the request that causes a
+change to the watch event that shows it (one clock, this process), failures counted apart.
 
-1. **Create burst**: ``BENCH_BURST`` (100) ComputeDomains created at once -> all three children exist, per
-   domain, against the bare API-write floor measured in the same run: the same four writes per domain
-   (finalizer patch, daemon template, DaemonSet, workload template) issued directly, all domains at once.
-2. **Ready latency**: the last clique entry turns Ready -> the CD's status says Ready (``BENCH_READY`` samples).
-3. **Scale**: ``BENCH_SCALE`` (1,000) domains on ``BENCH_NODES`` (2,000) GB200 Node objects: controller RSS
-   with them cached, CPU over
-   ``BENCH_IDLE`` seconds of idleness (no polling: ~0), and API requests per domain lifecycle
-   (create -> Ready -> delete -> gone), by verb, from the controller's own metrics. The nodes carry GB200
-   labels but no kwok annotation: 2,000 kwok-heartbeated nodes would mean ~200 lease writes a second, which
-   would measure this 2-core machine rather than the controller (whose node cache only holds nodes that
-   carry a ComputeDomain label anyway).
+1. **Create burst**: `BENCH_BURST` (100) ComputeDomains created at once -> all three children observed, per
+   domain, against the bare API-write floor in the same round: for as many domains in another namespace, the
+   same five writes (the CD, its finalizer patch, daemon template, DaemonSet, workload template) issued
+   directly, timed the same way (CD create request -> the three children observed).
+2. **Ready latency**: the last clique entry written Ready -> the CD's status observed Ready (`BENCH_READY`
+   samples per round; clique entries are written by this process, standing in for the daemons).
+3. **Scale**: `BENCH_SCALE` (1,000) domains on `BENCH_NODES` (2,000) GB200 Node objects: controller RSS with
+   them cached, CPU over `BENCH_IDLE` seconds of idleness (no polling: ~0), and API requests per domain
+   lifecycle (create -> Ready -> delete -> gone) by verb, from the controller's own metrics. The Nodes carry
+   GB200 labels but no kwok annotation: 2,000 kwok-heartbeated nodes would measure this machine's lease
+   writes rather than the controller (whose node cache holds only nodes with a ComputeDomain label anyway).
 
-The controller runs as a subprocess (``tests.cluster.controller.proc``) with the admin kubeconfig, handling only
-the benchmark's namespace; both it and the floor use the same client limits (``BENCH_QPS``).
+The controller runs as a process (`tests.cluster.controller.proc`, the product's entry point limited to the
+benchmark's namespace) with the admin kubeconfig; it and the floor use the same client limits (`BENCH_QPS`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ import asyncio
 import contextlib
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,81 +41,40 @@ from computedomain.kube.client import (
     COMPUTE_DOMAIN_CLIQUES,
     COMPUTE_DOMAINS,
     DAEMONSETS,
-    NAMESPACES,
     NODES,
     RESOURCE_CLAIM_TEMPLATES,
-    ClientConfig,
     KubeClient,
     Raw,
 )
 from computedomain.kube.errors import NotFound
 from computedomain.kube.informer import Informer
 from computedomain.settings import ControllerSettings, load_settings
-from tests.testbed.cluster import DEFAULT_ROOT, KWOK_NODE_ANNOTATION
+from tests.bench.figures import Figure, Target, percentile
+from tests.bench.harness import Bench, cd_body, gather_limited, poll, release_finalizers, wait_for
+from tests.testbed.cluster import KWOK_NODE_ANNOTATION, REPO, free_port
 from tests.testbed.nodes import gb200_node
 
-REPO = Path(__file__).resolve().parents[2]
-KUBECONFIG = DEFAULT_ROOT / "kubeconfig"
-BURST = int(os.environ.get("BENCH_BURST", "100"))
-READY_SAMPLES = int(os.environ.get("BENCH_READY", "30"))
-SCALE = int(os.environ.get("BENCH_SCALE", "1000"))
-IDLE = float(os.environ.get("BENCH_IDLE", "10"))
-NODE_COUNT = int(os.environ.get("BENCH_NODES", "2000"))
-QPS = os.environ.get("BENCH_QPS", "1000")
-
-
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
-
-
-def summary(label: str, values: list[float]) -> str:
-    ms = [v * 1000 for v in values]
-    return f"{label}: n={len(ms)} median={statistics.median(ms):.1f} ms p99={pct(ms, 99):.1f} ms max={max(ms):.1f} ms"
-
-
-def cd_body(name: str, ns: str, *, num_nodes: int = 0) -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "ComputeDomain",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {"numNodes": num_nodes, "channel": {"resourceClaimTemplate": {"name": f"{name}-ch"}}},
-    }
-
-
-async def ensure_namespace(client: KubeClient, name: str) -> None:
-    await client.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-
-
-async def drop_namespace(client: KubeClient, name: str) -> None:
-    """Delete everything the benchmark made, finalizers included, then the namespace."""
-    for resource in (COMPUTE_DOMAINS, DAEMONSETS, RESOURCE_CLAIM_TEMPLATES):
-        items = (await client.list_all(resource, namespace=name)).items
-        for obj in items:
-            meta = obj["metadata"]
-            if meta.get("finalizers"):
-                with contextlib.suppress(NotFound):
-                    await client.merge_patch(resource, meta["name"], {"metadata": {"finalizers": None}}, namespace=name)
-    with contextlib.suppress(NotFound):
-        await client.delete(NAMESPACES, name)
+SIMULATED_READY = "clique entries written by the benchmark in place of IMEX daemons"
 
 
 class ControllerProcess:
-    def __init__(self, driver_ns: str, cd_ns: str) -> None:
-        self.port = _free_port()
+    """`python -m tests.cluster.controller.proc`: the controller's entry point, limited to one namespace."""
+
+    def __init__(self, bench: Bench, driver_ns: str, cd_ns: str, qps: str) -> None:
+        self.port = free_port()
         env = {
             **os.environ,
-            "KUBECONFIG": str(KUBECONFIG),
+            "KUBECONFIG": str(bench.local.kubeconfig),
             "NAMESPACE": driver_ns,
             "IMAGE_NAME": "registry.example/computedomain:bench",
-            "KUBE_API_QPS": QPS,
-            "KUBE_API_BURST": str(int(float(QPS)) * 2),
+            "KUBE_API_QPS": qps,
+            "KUBE_API_BURST": str(int(float(qps)) * 2),
             "HTTP_ENDPOINT": f"127.0.0.1:{self.port}",
             "LOG_LEVEL": "warning",
             "TEST_CD_NAMESPACE": cd_ns,
         }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.cluster.controller.proc"], cwd=REPO, env=env, stderr=subprocess.DEVNULL
+            [sys.executable, "-m", "tests.cluster.controller.proc"], cwd=REPO, env=env, stderr=subprocess.PIPE
         )
 
     def get(self, path: str) -> str:
@@ -124,14 +82,16 @@ class ControllerProcess:
             return str(resp.read().decode())
 
     async def ready(self) -> None:
-        for _ in range(600):
-            try:
-                if '"leading": true' in self.get("/readyz"):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = (self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else "").strip()
+                raise RuntimeError(f"the controller exited with {self.proc.returncode}: {err[-300:]}")
+            with contextlib.suppress(OSError):
+                if '"leading": true' in await asyncio.to_thread(self.get, "/readyz"):
                     return
-            except OSError:
-                pass
             await asyncio.sleep(0.05)
-        raise RuntimeError("controller did not become ready")
+        raise TimeoutError("the controller did not become ready (leading) within 60s")
 
     def requests(self, *, events: bool = False) -> Counter[str]:
         """API requests by verb and resource (Events only if asked), from the controller's metrics."""
@@ -145,11 +105,8 @@ class ControllerProcess:
                 out[f"{labels['verb']} {labels['resource']}{code}"] += int(float(m.group(2)))
         return out
 
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+    def rss_mib(self) -> float:
+        return rss_mib(self.proc.pid)
 
     def cpu_seconds(self) -> float:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -161,128 +118,147 @@ class ControllerProcess:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(5)
+        if self.proc.stderr:
+            self.proc.stderr.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def wait_until(check: Callable[[], bool], within: float = 120.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError("benchmark condition not reached")
-        await asyncio.sleep(0.01)
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
-async def gather_limited(coros: list[Awaitable[Any]], limit: int = 64) -> list[Any]:
-    sem = asyncio.Semaphore(limit)
+class Children:
+    """Watches DaemonSets and ResourceClaimTemplates of every namespace: when all three children of a
+    domain (by its UID label) were first observed."""
 
-    async def one(c: Awaitable[Any]) -> Any:
-        async with sem:
-            return await c
+    def __init__(self, client: KubeClient) -> None:
+        self.kinds: dict[str, set[str]] = {}
+        self.done: dict[str, float] = {}
+        self.informers = [
+            Informer(client, DAEMONSETS, label_selector=COMPUTE_DOMAIN_LABEL, decode=decode_daemonset),
+            Informer(client, RESOURCE_CLAIM_TEMPLATES, label_selector=COMPUTE_DOMAIN_LABEL, decode=decode_template),
+        ]
+        for informer in self.informers:
+            informer.add_handler(on_add=self._seen)
+        self.tasks: list[asyncio.Task[None]] = []
 
-    return await asyncio.gather(*(one(c) for c in coros))
+    def _seen(self, child: Child) -> None:
+        now = time.monotonic()
+        kinds = self.kinds.setdefault(child.cd_uid, set())
+        kinds.add(child.kind.value)
+        if len(kinds) == 3:
+            self.done.setdefault(child.cd_uid, now)
 
+    async def __aenter__(self) -> Children:
+        self.tasks = [asyncio.create_task(i.run()) for i in self.informers]
+        for informer in self.informers:
+            await informer.has_synced()
+        return self
 
-# --- 1. create burst vs the floor ------------------------------------------------------------------------
-
-
-async def floor_run(client: KubeClient, settings: ControllerSettings, cd_ns: str) -> list[float]:
-    """The same writes the controller makes per domain, issued directly: the floor for the latency."""
-    names = [f"floor-{i}" for i in range(BURST)]
-    created: list[ComputeDomain] = await gather_limited(
-        [client.create(COMPUTE_DOMAINS, cd_body(n, cd_ns), decode=ComputeDomain.model_validate) for n in names]
-    )
-    start = time.monotonic()
-
-    async def writes(cd: ComputeDomain) -> float:
-        patch = {
-            "metadata": {"resourceVersion": cd.metadata.resource_version, "finalizers": [COMPUTE_DOMAIN_FINALIZER]}
-        }
-        await client.merge_patch(COMPUTE_DOMAINS, cd.metadata.name, patch, namespace=cd_ns)
-        await client.create(RESOURCE_CLAIM_TEMPLATES, _unfinalized(daemon_template(cd, settings)))
-        await client.create(DAEMONSETS, _unfinalized(daemonset(cd, settings)))
-        await client.create(RESOURCE_CLAIM_TEMPLATES, _unfinalized(workload_template(cd, settings)))
-        return time.monotonic() - start
-
-    return list(await asyncio.gather(*(writes(cd) for cd in created)))
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 def _unfinalized(body: dict[str, Any]) -> dict[str, Any]:
-    """The same object without our finalizer, so cleanup after the run needs no update (same write cost)."""
+    """The same object without our finalizer, so cleanup needs no update (the write costs the same)."""
     return {**body, "metadata": {k: v for k, v in body["metadata"].items() if k != "finalizers"}}
 
 
-async def controller_burst(client: KubeClient, driver_ns: str, cd_ns: str) -> list[float]:
-    children: dict[str, set[str]] = {}
-    done: dict[str, float] = {}
-
-    def seen(child: Child) -> None:
-        kinds = children.setdefault(child.cd_uid, set())
-        kinds.add(child.kind.value)
-        if len(kinds) == 3 and child.cd_uid not in done:
-            done[child.cd_uid] = time.monotonic()
-
-    observers = [
-        Informer(client, DAEMONSETS, namespace=driver_ns, label_selector=COMPUTE_DOMAIN_LABEL, decode=decode_daemonset),
-        Informer(client, RESOURCE_CLAIM_TEMPLATES, label_selector=COMPUTE_DOMAIN_LABEL, decode=decode_template),
-    ]
-    for obs in observers:
-        obs.add_handler(on_add=seen)
-    tasks = [asyncio.create_task(o.run()) for o in observers]
-    try:
-        for o in observers:
-            await o.has_synced()
-        start: dict[str, float] = {}
-
-        async def create(name: str) -> None:
-            t0 = time.monotonic()
-            raw: Raw = await client.create(COMPUTE_DOMAINS, cd_body(name, cd_ns))
-            start[raw["metadata"]["uid"]] = t0
-
-        await asyncio.gather(*(create(f"burst-{i}") for i in range(BURST)))
-        await wait_until(lambda: all(uid in done for uid in start))
-        return [done[uid] - start[uid] for uid in start]
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+async def _settle(children: Children, started: dict[str, float], within: float) -> tuple[list[float], int]:
+    """Latencies of the domains whose children all showed up in time; the others are failures."""
+    with contextlib.suppress(TimeoutError):
+        await wait_for(lambda: all(uid in children.done for uid in started), within, "children of every domain")
+    ok = [children.done[uid] - t0 for uid, t0 in started.items() if uid in children.done]
+    return ok, len(started) - len(ok)
 
 
-# --- 2. last daemon Ready -> CD Ready ---------------------------------------------------------------------
+async def floor_round(
+    client: KubeClient, children: Children, settings: ControllerSettings, ns: str, count: int, index: int
+) -> tuple[list[float], int]:
+    started: dict[str, float] = {}
+
+    async def one(name: str) -> None:
+        t0 = time.monotonic()
+        raw = await client.create(COMPUTE_DOMAINS, cd_body(name, ns))
+        cd = ComputeDomain.model_validate(raw)
+        started[raw["metadata"]["uid"]] = t0
+        patch = {
+            "metadata": {"resourceVersion": cd.metadata.resource_version, "finalizers": [COMPUTE_DOMAIN_FINALIZER]}
+        }
+        await client.merge_patch(COMPUTE_DOMAINS, name, patch, namespace=ns)
+        await client.create(RESOURCE_CLAIM_TEMPLATES, _unfinalized(daemon_template(cd, settings)))
+        await client.create(DAEMONSETS, _unfinalized(daemonset(cd, settings)))
+        await client.create(RESOURCE_CLAIM_TEMPLATES, _unfinalized(workload_template(cd, settings)))
+
+    results = await asyncio.gather(*(one(f"floor-{index}-{i}") for i in range(count)), return_exceptions=True)
+    ok, missing = await _settle(children, started, 60)
+    return ok, missing + sum(1 for r in results if isinstance(r, BaseException))
 
 
-async def ready_latency(client: KubeClient, driver_ns: str, cd_ns: str) -> list[float]:
+async def burst_round(
+    client: KubeClient, children: Children, ns: str, count: int, index: int
+) -> tuple[list[float], int]:
+    started: dict[str, float] = {}
+
+    async def one(name: str) -> None:
+        t0 = time.monotonic()
+        raw = await client.create(COMPUTE_DOMAINS, cd_body(name, ns))
+        started[raw["metadata"]["uid"]] = t0
+
+    results = await asyncio.gather(*(one(f"burst-{index}-{i}") for i in range(count)), return_exceptions=True)
+    ok, missing = await _settle(children, started, 120)
+    return ok, missing + sum(1 for r in results if isinstance(r, BaseException))
+
+
+async def delete_all(client: KubeClient, ns: str, within: float = 300, *, unowned: bool = False) -> None:
+    """Delete every domain of `ns` and wait until they are gone (`unowned`: no controller will release their
+    finalizers, so strip them first)."""
+    if unowned:
+        await release_finalizers(client, ns)
+    names = [o["metadata"]["name"] for o in (await client.list_all(COMPUTE_DOMAINS, namespace=ns)).items]
+    await gather_limited([_delete(client, n, ns) for n in names])
+
+    async def gone() -> bool:
+        return not (await client.list_all(COMPUTE_DOMAINS, namespace=ns)).items
+
+    await poll(gone, within, f"ComputeDomains of {ns} deleted")
+
+
+async def _delete(client: KubeClient, name: str, ns: str) -> None:
+    with contextlib.suppress(NotFound):
+        await client.delete(COMPUTE_DOMAINS, name, namespace=ns)
+
+
+async def ready_round(
+    client: KubeClient, driver_ns: str, cd_ns: str, samples: int, index: int
+) -> tuple[list[float], int]:
     status: dict[str, str] = {}
-    cds = Informer(client, COMPUTE_DOMAINS, namespace=cd_ns, decode=ComputeDomain.model_validate)
-    changed = asyncio.Event()
+    seen_at: dict[tuple[str, str], float] = {}
+    cds = Informer(client, COMPUTE_DOMAINS, namespace=cd_ns, decode=lambda raw: raw)
 
-    def note(cd: ComputeDomain) -> None:
-        status[cd.metadata.name] = cd.status.status.value if cd.status else ""
-        changed.set()
+    def note(raw: Raw) -> None:
+        name = raw["metadata"]["name"]
+        status[name] = (raw.get("status") or {}).get("status") or ""
+        seen_at.setdefault((name, status[name]), time.monotonic())
 
     cds.add_handler(on_add=note, on_update=lambda _o, n: note(n))
     task = asyncio.create_task(cds.run())
-    samples: list[float] = []
+    latencies: list[float] = []
+    failures = 0
     try:
         await cds.has_synced()
-        for i in range(READY_SAMPLES):
-            name = f"ready-{i}"
+        for i in range(samples):
+            name = f"ready-{index}-{i}"
             uid = (await client.create(COMPUTE_DOMAINS, cd_body(name, cd_ns, num_nodes=2)))["metadata"]["uid"]
 
-            def entry(node: str, index: int, state: str, i: int = i) -> dict[str, Any]:
-                return {
-                    "nodeName": node,
-                    "ipAddress": f"10.9.{i}.{index + 1}",
-                    "cliqueID": "bench.1",
-                    "index": index,
-                    "status": state,
-                }
+            def entry(node: str, slot: int, state: str, i: int = i) -> dict[str, Any]:
+                return {"nodeName": node, "ipAddress": f"10.9.{i % 250}.{slot + 1}", "cliqueID": "bench.1",
+                        "index": slot, "status": state}  # fmt: skip
 
             clique = {
                 "apiVersion": "resource.nvidia.com/v1beta1",
@@ -290,34 +266,20 @@ async def ready_latency(client: KubeClient, driver_ns: str, cd_ns: str) -> list[
                 "metadata": {"name": f"{uid}.bench.1", "namespace": driver_ns, "labels": {COMPUTE_DOMAIN_LABEL: uid}},
                 "daemons": [entry("n0", 0, "Ready"), entry("n1", 1, "NotReady")],
             }
-            written = await client.create(COMPUTE_DOMAIN_CLIQUES, clique)
-            await wait_until(lambda name=name: status.get(name) == "NotReady", within=30)
-            await asyncio.sleep(0.05)
-            body = {**written, "daemons": [entry("n0", 0, "Ready"), entry("n1", 1, "Ready")]}
-            t0 = time.monotonic()
-            await client.replace(COMPUTE_DOMAIN_CLIQUES, body)
-            await wait_until(lambda name=name: status.get(name) == "Ready", within=30)
-            samples.append(time.monotonic() - t0)
-        return samples
+            try:
+                written = await client.create(COMPUTE_DOMAIN_CLIQUES, clique)
+                await wait_for(lambda name=name: status.get(name) == "NotReady", 30, f"{name} NotReady")
+                body = {**written, "daemons": [entry("n0", 0, "Ready"), entry("n1", 1, "Ready")]}
+                t0 = time.monotonic()
+                await client.replace(COMPUTE_DOMAIN_CLIQUES, body)
+                await wait_for(lambda name=name: status.get(name) == "Ready", 30, f"{name} Ready")
+                latencies.append(seen_at[(name, "Ready")] - t0)
+            except TimeoutError:
+                failures += 1
+        return latencies, failures
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-# --- 3. scale: RSS, idle CPU, requests per lifecycle -------------------------------------------------------
-
-
-async def poll(check: Callable[[], Awaitable[bool]], within: float = 600.0) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        if time.monotonic() > deadline:
-            raise TimeoutError("benchmark condition not reached")
-        await asyncio.sleep(0.5)
-
-
-async def _none_left(client: KubeClient, ns: str, prefix: str) -> bool:
-    items = (await client.list_all(COMPUTE_DOMAINS, namespace=ns)).items
-    return not any(o["metadata"]["name"].startswith(prefix) for o in items)
 
 
 def bench_node(name: str, clique: str) -> dict[str, Any]:
@@ -328,101 +290,148 @@ def bench_node(name: str, clique: str) -> dict[str, Any]:
     return node
 
 
-async def scale(client: KubeClient, ctl: ControllerProcess, cd_ns: str) -> dict[str, Any]:
-    rack = uuid.uuid4()
-    await gather_limited(
-        [client.create(NODES, bench_node(f"bench-gb-{i:04d}", f"{rack}.{i // 18}")) for i in range(NODE_COUNT)]
-    )
-    try:
-        return await _scale(client, ctl, cd_ns)
-    finally:
-        names = [
-            n["metadata"]["name"] for n in (await client.list_all(NODES, label_selector="computedomain-bench")).items
-        ]
-        await gather_limited([client.delete(NODES, n) for n in names])
-
-
-async def _scale(client: KubeClient, ctl: ControllerProcess, cd_ns: str) -> dict[str, Any]:
+async def scale_round(
+    client: KubeClient, ctl: ControllerProcess, cd_ns: str, count: int, idle: float
+) -> dict[str, Any]:
     before = ctl.requests()
-    names = [f"scale-{i}" for i in range(SCALE)]
-    await gather_limited([client.create(COMPUTE_DOMAINS, cd_body(n, cd_ns)) for n in names])
+    names = [f"scale-{i}" for i in range(count)]
+    ready_at: dict[str, float] = {}
+    cds = Informer(client, COMPUTE_DOMAINS, namespace=cd_ns, decode=lambda raw: raw)
 
-    async def all_ready() -> bool:
-        items = (await client.list_all(COMPUTE_DOMAINS, namespace=cd_ns)).items
-        ready = sum(
-            1
-            for o in items
-            if o["metadata"]["name"].startswith("scale-") and (o.get("status") or {}).get("status") == "Ready"
-        )
-        return ready >= SCALE
+    def note(raw: Raw) -> None:
+        if (raw.get("status") or {}).get("status") == "Ready":
+            ready_at.setdefault(raw["metadata"]["name"], time.monotonic())
 
-    await poll(all_ready)
-    # Idle means: no request of any kind (Events included) for 3 s; then measure CPU and requests.
-    settled, last, quiet_since = False, ctl.requests(events=True), time.monotonic()
-    while not settled:
+    cds.add_handler(on_add=note, on_update=lambda _o, n: note(n))
+    task = asyncio.create_task(cds.run())
+    try:
+        await cds.has_synced()
+        t0 = time.monotonic()
+        await gather_limited([client.create(COMPUTE_DOMAINS, cd_body(n, cd_ns)) for n in names])
+        await wait_for(lambda: len(ready_at) >= count, 600, f"{count} ComputeDomains Ready", interval=0.1)
+        converged = max(ready_at.values()) - t0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    # Idle: no request of any kind (Events included) for 3 s; then measure CPU and requests.
+    last, quiet_since = ctl.requests(events=True), time.monotonic()
+    while time.monotonic() - quiet_since < 3.0:
         await asyncio.sleep(0.5)
         now = ctl.requests(events=True)
         if now != last:
             last, quiet_since = now, time.monotonic()
-        settled = time.monotonic() - quiet_since >= 3.0
-    rss = ctl.rss_mb()
+    rss = ctl.rss_mib()
     cpu0 = ctl.cpu_seconds()
-    await asyncio.sleep(IDLE)
-    idle_cpu = (ctl.cpu_seconds() - cpu0) / IDLE
+    await asyncio.sleep(idle)
+    idle_cpu = (ctl.cpu_seconds() - cpu0) / idle
     idle_requests = sum((ctl.requests(events=True) - last).values())
-    await gather_limited([client.delete(COMPUTE_DOMAINS, n, namespace=cd_ns) for n in names])
-    await poll(lambda: _none_left(client, cd_ns, "scale-"))
+    await delete_all(client, cd_ns)
     await asyncio.sleep(1.0)
     after = ctl.requests()
     per_cd = {
-        k: (after[k] - before[k]) / SCALE
+        k: (after[k] - before[k]) / count
         for k in after
         if after[k] - before[k] > 0 and not k.startswith(("list", "watch"))
     }
-    return {"rss_mb": rss, "idle_cpu": idle_cpu, "idle_requests": idle_requests, "per_cd": per_cd}
+    return {"rss": rss, "idle_cpu": idle_cpu, "idle_requests": idle_requests, "per_cd": per_cd, "converged": converged}
 
 
-async def main() -> None:
-    client = await KubeClient.connect(
-        kubeconfig=KUBECONFIG, config=ClientConfig(qps=float(QPS), burst=int(float(QPS)) * 2)
+async def run(bench: Bench) -> None:
+    section = bench.section
+    burst_n = bench.size("BENCH_BURST", 100, 5)
+    ready_n = bench.size("BENCH_READY", 30, 3)
+    scale_n = bench.size("BENCH_SCALE", 1000, 10)
+    nodes_n = bench.size("BENCH_NODES", 2000, 20)
+    idle = bench.sizef("BENCH_IDLE", 10, 1)
+    rounds = bench.size("BENCH_ROUNDS", 5, 1)
+    scale_rounds = bench.size("BENCH_SCALE_ROUNDS", 3, 1)
+    qps = os.environ.get("BENCH_QPS", "1000")
+    section.note(
+        f"controller as a process, client limits {qps} qps both for it and the floor; {rounds} rounds of a "
+        f"{burst_n}-domain burst and {ready_n} Ready samples; {scale_rounds} scale rounds of {scale_n} domains "
+        f"on {nodes_n} Node objects"
     )
-    tag = uuid.uuid4().hex[:6]
-    driver_ns, cd_ns, floor_ns, floor_drv = f"bench-drv-{tag}", f"bench-cd-{tag}", f"bench-fl-{tag}", f"bench-fld-{tag}"
-    for ns in (driver_ns, cd_ns, floor_ns, floor_drv):
-        await ensure_namespace(client, ns)
+    floor = section.figure(Figure("floor", "floor: CD + 4 direct writes per domain, all at once -> children observed"))
+    burst = section.figure(Figure("burst", "controller: CD created -> all 3 children observed",
+                                  target=Target("p99", 1.0, "p99 < 1 s")))  # fmt: skip
+    ratio = section.figure(Figure("ratio", "controller / floor, p99 per round", unit="x",
+                                  target=Target("max", 2.0, "within 2x of the floor")))  # fmt: skip
+    ready = section.figure(Figure("ready", "last clique entry Ready -> CD Ready observed",
+                                  target=Target("p99", 0.5, "p99 < 0.5 s"), simulated=SIMULATED_READY))  # fmt: skip
+    client = await bench.client(qps=float(qps))
+    driver_ns, cd_ns = await bench.namespace("drv"), await bench.namespace("cd")
+    floor_ns, floor_drv = await bench.namespace("fl"), await bench.namespace("fld")
     settings = load_settings(ControllerSettings, [], environ={"NAMESPACE": floor_drv, "IMAGE_NAME": "x"})
-    ctl = ControllerProcess(driver_ns, cd_ns)
+    with bench.step("starting the controller"):
+        ctl = ControllerProcess(bench, driver_ns, cd_ns, qps)
     try:
-        print(f"(client limits: {QPS} qps; controller in a subprocess; {BURST} CDs per burst)", flush=True)
-        floor = await floor_run(client, settings, floor_ns)
         await ctl.ready()
-        burst = await controller_burst(client, driver_ns, cd_ns)
-        print(summary("floor: 4 direct writes per CD, all CDs at once", floor))
-        print(summary("controller: CD created -> all 3 children exist", burst))
-        print(
-            f"ratio controller/floor: median {statistics.median(burst) / statistics.median(floor):.2f}x, "
-            f"p99 {pct(burst, 99) / pct(floor, 99):.2f}x   (target: p99 < 1 s and within 2x)"
-        )
-        ready = await ready_latency(client, driver_ns, cd_ns)
-        print(summary("last clique entry Ready -> CD Ready", ready) + "   (target: p99 < 500 ms)")
-        result = await scale(client, ctl, cd_ns)
-        print(
-            f"scale: {SCALE} CDs cached, {NODE_COUNT} nodes: controller RSS {result['rss_mb']:.0f} MB "
-            "(target < 200 MB at 1,000 CDs on 2,000 nodes)"
-        )
-        print(
-            f"scale: idle CPU over {IDLE:.0f}s: {result['idle_cpu'] * 100:.2f}% of one core, "
-            f"{result['idle_requests']} API requests (target ~0: no polling)"
-        )
-        writes = sum(v for k, v in result["per_cd"].items() if not k.startswith("get"))
-        detail = ", ".join(f"{k}={v:.2f}" for k, v in sorted(result["per_cd"].items()))
-        print(f"scale: API requests per CD lifecycle (create -> Ready -> delete): {writes:.2f} writes; {detail}")
+        async with Children(client) as children:
+            for index in range(rounds):
+                with bench.step(f"round {index + 1}: the floor's {burst_n} domains"):
+                    floor.round(*await floor_round(client, children, settings, floor_ns, burst_n, index))
+                with bench.step(f"round {index + 1}: a burst of {burst_n} ComputeDomains"):
+                    burst.round(*await burst_round(client, children, cd_ns, burst_n, index))
+                if floor.rounds[-1] and burst.rounds[-1]:
+                    ratio.round([percentile(burst.rounds[-1], 99) / percentile(floor.rounds[-1], 99)])
+                with bench.step(f"round {index + 1}: deleting the burst's domains"):
+                    await delete_all(client, cd_ns)
+                    await delete_all(client, floor_ns, unowned=True)
+        for index in range(rounds):
+            with bench.step(f"round {index + 1}: Ready latency"):
+                ready.round(*await ready_round(client, driver_ns, cd_ns, ready_n, index))
+            with bench.step(f"round {index + 1}: deleting the Ready samples' domains"):
+                await delete_all(client, cd_ns)
+        await scale(bench, client, ctl, cd_ns, scale_n, nodes_n, idle, scale_rounds)
     finally:
         ctl.stop()
-        for ns in (driver_ns, cd_ns, floor_ns, floor_drv):
-            await drop_namespace(client, ns)
-        await client.close()
 
 
-if __name__ == "__main__":
-    asyncio.run(main())
+async def scale(
+    bench: Bench,
+    client: KubeClient,
+    ctl: ControllerProcess,
+    cd_ns: str,
+    count: int,
+    nodes: int,
+    idle: float,
+    rounds: int,
+) -> None:
+    section = bench.section
+    sim = f"{nodes} Node objects (GB200 labels, no kubelet); no daemons: numNodes 0"
+    rss = section.figure(Figure("scale-rss", f"controller RSS with {count} domains and {nodes} nodes cached", unit="MiB",
+                                target=Target("max", 80, "< 80 MiB"), simulated=sim))  # fmt: skip
+    converge = section.figure(Figure("scale-converge", f"{count} domains created at once -> all Ready observed",
+                                     simulated=sim))  # fmt: skip
+    cpu = section.figure(Figure("scale-idle-cpu", f"idle CPU over {idle:g} s with {count} domains", unit="%",
+                                target=Target("max", 1.0, "~0 (no polling)")))  # fmt: skip
+    writes = section.figure(Figure("scale-writes", "API writes per domain lifecycle (create -> Ready -> delete)",
+                                   unit="requests"))  # fmt: skip
+    rack = uuid.uuid4()
+    with bench.step(f"creating {nodes} Node objects"):
+        await gather_limited([client.create(NODES, bench_node(f"bench-gb-{bench.tag}-{i:04d}", f"{rack}.{i // 18}"))
+                              for i in range(nodes)])  # fmt: skip
+    try:
+        details: Counter[str] = Counter()
+        for index in range(rounds):
+            with bench.step(f"scale round {index + 1}: {count} domains to Ready and back"):
+                result = await scale_round(client, ctl, cd_ns, count, idle)
+            rss.round([result["rss"]])
+            converge.round([result["converged"]])
+            cpu.round([result["idle_cpu"] * 100])
+            writes.round([sum(v for k, v in result["per_cd"].items() if not k.startswith("get"))])
+            details.update(result["per_cd"])
+            if result["idle_requests"]:
+                cpu.note = f"{result['idle_requests']} API requests while idle"
+        writes.note = "by verb, mean over rounds: " + ", ".join(
+            f"{k}={v / rounds:.2f}" for k, v in sorted(details.items())
+        )
+    finally:
+        with bench.step(f"deleting {nodes} Node objects"):
+            listed = await client.list_all(NODES, label_selector="computedomain-bench")
+            await gather_limited([_delete_node(client, n["metadata"]["name"]) for n in listed.items])
+
+
+async def _delete_node(client: KubeClient, name: str) -> None:
+    with contextlib.suppress(NotFound):
+        await client.delete(NODES, name)

@@ -1,8 +1,9 @@
 """Node agent benchmark: Prepare latency, p50/p99 (SPEC section 9: channel Prepare of a ready domain p99 < 20 ms;
-hostManaged including the `nvidia-imex-ctl` exec p99 < 100 ms). Not pass/fail: it prints figures.
+hostManaged including the `nvidia-imex-ctl` exec p99 < 100 ms). Not pass/fail: it reports figures.
 
-    make bench-plugin                               (python -m tests.bench plugin; BENCH_PLUGIN_ROUNDS=200)
-    python -m tests.bench.plugin [--rounds N]
+    make bench-plugin     (python -m tests.bench plugin; BENCH_PLUGIN_SAMPLES=200 per round, BENCH_ROUNDS=3)
+
+A Prepare that returns an error is counted as a failure and has no latency.
 
 Scenarios, every call through the real gRPC sockets with the kubelet stand-in's client (45 s deadline),
 on a real checkpoint (fsync'd) and CDI directory:
@@ -21,53 +22,41 @@ expired between rounds so the checkpoint stays at its steady-state size.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from computedomain.api.constants import CHANNEL_DEVICE_CLASS, COMPUTE_DOMAIN_LABEL, DRIVER_NAME
+from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, NODES, RESOURCE_CLAIMS, KubeClient
+from computedomain.kube.errors import NotFound
 from computedomain.plugin.checkpoint import expire_tombstones
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
 from imex.host_check import check_host_imex_ready
+from tests.bench.figures import Figure, Target
+from tests.bench.harness import Bench, cd_body
+from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
 from tests.testbed.imex_simulator.wrappers import install_wrappers, package_root
 from tests.testbed.kubelet_client import KubeletClient
+from tests.testbed.nodes import gb200_node
+from tests.testbed.sim.topology import CLUSTER_UUID
 from tests.unit.plugin.fakes import Bed
 
 REPO = Path(__file__).resolve().parents[2]
 SOCKET = "/run/nvidia-imex/imex_ctrl.sock"
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def report(name: str, ms: list[float], errors: int = 0) -> dict[str, object]:
-    row = {
-        "scenario": name,
-        "n": len(ms),
-        "p50_ms": round(statistics.median(ms), 2) if ms else None,
-        "p99_ms": round(pct(ms, 0.99), 2) if ms else None,
-        "max_ms": round(max(ms), 2) if ms else None,
-        "errors": errors,
-    }
-    print(
-        f"{name:48} n={row['n']:<4} p50={row['p50_ms']} ms  p99={row['p99_ms']} ms  max={row['max_ms']} ms  errors={errors}"
-    )
-    return row
+READY = Target("p99", 0.020, "p99 < 20 ms")
+HOST = Target("p99", 0.100, "p99 < 100 ms")
+FAKES = "claim, domain and node label lookups answered in memory (the agent's own cost)"
 
 
 @contextlib.asynccontextmanager
@@ -92,51 +81,58 @@ async def channel_rounds(
 ) -> tuple[list[float], int]:
     cd = bed.domains.add("bench")
     bed.readiness.set_ready(cd.uid)
-    ms: list[float] = []
+    latencies: list[float] = []
     errors = 0
-    for _ in range(rounds + 5):
+    for i in range(rounds + 5):
         ref = bed.channel_claim(cd, mode)
         start = time.perf_counter()
         result = (await kubelet.prepare([ref])).get(ref.uid)
-        took = (time.perf_counter() - start) * 1000
-        if result is None or result.error:
-            errors += 1
-        ms.append(took)
+        took = time.perf_counter() - start
+        if i >= 5:  # the first calls warm up the channel and the thread pool
+            if result is None or result.error:
+                errors += 1
+            else:
+                latencies.append(took)
         await kubelet.unprepare([ref])
         await expire(bed)
-    return ms[5:], errors  # the first calls warm up the channel and the thread pool
+    return latencies, errors
 
 
-async def bench_ready_inprocess(rounds: int) -> list[dict[str, object]]:
+Sample = tuple[list[float], int]  # latencies (s) of the calls that succeeded, and how many failed
+
+
+async def bench_ready_inprocess(samples: int) -> tuple[Sample, Sample]:
     root = Path(tempfile.mkdtemp(prefix="bp-", dir="/tmp"))
     try:
         bed = Bed(root, budget_s=40)
         async with served(bed, root) as kubelet:
-            single = report("channel Prepare, ready domain (in-process)", *await channel_rounds(bed, kubelet, rounds))
-            every = report(
-                "channel Prepare, All mode, 2048 channels", *await channel_rounds(bed, kubelet, rounds // 2, mode="All")
-            )
-        return [single, every]
+            single = await channel_rounds(bed, kubelet, samples)
+            every = await channel_rounds(bed, kubelet, max(samples // 2, 1), mode="All")
+        return single, every
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def bench_fifty(rounds: int) -> dict[str, object]:
+async def bench_fifty(samples: int) -> Sample:
     root = Path(tempfile.mkdtemp(prefix="bp-", dir="/tmp"))
     try:
         bed = Bed(root, budget_s=40)
-        ms: list[float] = []
+        latencies: list[float] = []
         errors = 0
         async with served(bed, root) as kubelet:
-            for _ in range(rounds + 1):
-                refs = [bed.daemon_claim(bed.domains.add("bench", name=f"cd{i}")) for i in range(50)]
+            for i in range(samples + 1):
+                refs = [bed.daemon_claim(bed.domains.add("bench", name=f"cd{i}-{j}")) for j in range(50)]
                 start = time.perf_counter()
                 results = await kubelet.prepare(refs)
-                ms.append((time.perf_counter() - start) * 1000)
-                errors += sum(1 for r in refs if r.uid not in results or results[r.uid].error)
+                took = time.perf_counter() - start
+                failed = sum(1 for r in refs if r.uid not in results or results[r.uid].error)
+                if i:  # the first call warms up
+                    errors += failed
+                    if not failed:
+                        latencies.append(took)
                 await kubelet.unprepare(refs)
                 await expire(bed)
-        return report("50 daemon claims in one call (whole call)", ms[1:], errors)
+        return latencies, errors
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -175,10 +171,8 @@ def chroot_root() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def bench_host_managed(rounds: int) -> list[dict[str, object]]:
-    if os.geteuid() != 0:
-        print("hostManaged: skipped (needs root for the chroot)")
-        return []
+async def bench_host_managed(samples: int) -> list[tuple[str, Sample, Sample]]:
+    """(label, Prepare incl. the chrooted ctl, the ctl exec alone) per ctl."""
     from tests.unit.imex.test_host_check import start_host_daemon
 
     rows = []
@@ -199,17 +193,18 @@ async def bench_host_managed(rounds: int) -> list[dict[str, object]]:
                 work.mkdir()
                 bed = Bed(work, host_managed=True, host_check=check, budget_s=40)
                 async with served(bed, work) as kubelet:
-                    rows.append(
-                        report(
-                            f"hostManaged Prepare incl. chroot + {label}", *await channel_rounds(bed, kubelet, rounds)
-                        )
-                    )
+                    prepare = await channel_rounds(bed, kubelet, samples)
                 bare: list[float] = []
-                for _ in range(rounds):
+                bare_errors = 0
+                for _ in range(samples):
                     start = time.perf_counter()
-                    await check()
-                    bare.append((time.perf_counter() - start) * 1000)
-                rows.append(report(f"  of which the ctl exec alone ({label})", bare))
+                    try:
+                        await check()
+                    except Exception:
+                        bare_errors += 1
+                        continue
+                    bare.append(time.perf_counter() - start)
+                rows.append((label, prepare, (bare, bare_errors)))
         finally:
             daemon.kill()
             daemon.wait(30)
@@ -223,46 +218,26 @@ def _native_ctl(path: Path) -> None:
     path.chmod(0o755)
 
 
-async def bench_cluster(rounds: int) -> dict[str, object] | None:
-    from computedomain.kube.client import NODES, KubeClient
-    from tests.testbed.cluster import LocalCluster
-    from tests.testbed.nodes import gb200_node
-
-    local = LocalCluster()
-    if not local.healthy():
-        print("ready domain through the cluster: skipped (no cluster; run `make cluster-up`)")
-        return None
-    node = f"bench-{uuid.uuid4().hex[:6]}"
-    ns = f"bench-{uuid.uuid4().hex[:6]}"
+async def bench_cluster(bench: Bench, samples: int) -> Sample:
+    """The agent as a process against the cluster: claim GET and node label GET on every Prepare."""
+    client = await bench.client()
+    ns = await bench.namespace("plugin")
+    node = f"bench-plugin-{bench.tag}"
     root = Path(tempfile.mkdtemp(prefix="bp-", dir="/tmp"))
-    client = await KubeClient.connect(kubeconfig=local.kubeconfig)
     proc: subprocess.Popen[bytes] | None = None
-
-    def kubectl(*args: str, input: str | None = None) -> str:
-        return local.kubectl(*args, input=input).stdout
-
+    clique = f"{CLUSTER_UUID}.1"
     try:
-        kubectl("apply", "-f", "-", input=json.dumps(gb200_node(node, clique="6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40.1")))
-        kubectl("create", "namespace", ns)
-        cd = json.loads(kubectl("create", "-n", ns, "-o", "json", "-f", "-", input=json.dumps({
-            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain", "metadata": {"name": "bench"},
-            "spec": {"channel": {"resourceClaimTemplate": {"name": "bench-channel"}}}})))  # fmt: skip
+        await client.create(NODES, gb200_node(node, clique=clique))
+        cd = await client.create(COMPUTE_DOMAINS, cd_body("bench", ns))
         uid = cd["metadata"]["uid"]
-        clique = "6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40.1"
         entry = {"nodeName": node, "ipAddress": "10.0.0.9", "cliqueID": clique, "index": 0, "status": "Ready"}
-        clique_obj = {
-            "apiVersion": "resource.nvidia.com/v1beta1",
-            "kind": "ComputeDomainClique",
-            "metadata": {"name": f"{uid}.{clique}"},
-            "daemons": [entry],
-        }
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(clique_obj))
-        from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
-
-        tray = SimulatedClique(cluster_uuid=uuid.UUID(clique.partition(".")[0]), clique_id=1)
+        await client.create(COMPUTE_DOMAIN_CLIQUES, {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomainClique",
+            "metadata": {"name": f"{uid}.{clique}", "namespace": ns}, "daemons": [entry]})  # fmt: skip
+        tray = SimulatedClique(cluster_uuid=CLUSTER_UUID, clique_id=1)
         write_fake_driver_root(root / "driver", SimulatedNode(name=node, clique=tray))
         env = {
-            **os.environ, "NODE_NAME": node, "KUBECONFIG": str(local.kubeconfig), "NAMESPACE": ns,
+            **os.environ, "NODE_NAME": node, "KUBECONFIG": str(bench.local.kubeconfig), "NAMESPACE": ns,
             "KUBELET_REGISTRAR_DIRECTORY_PATH": str(root / "reg"), "KUBELET_PLUGINS_DIRECTORY_PATH": str(root / "plugins"),
             "CDI_ROOT": str(root / "cdi"), "NVIDIA_DRIVER_ROOT": str(root / "driver"),
             "PROC_ROOT": str(root / "driver/proc"), "HEALTHCHECK_PORT": "-1",
@@ -271,43 +246,56 @@ async def bench_cluster(rounds: int) -> dict[str, object] | None:
             # not the agent: a real node prepares a few claims per pod start, well inside the burst.
             "KUBE_API_QPS": "500", "KUBE_API_BURST": "1000",
         }  # fmt: skip
-        proc = subprocess.Popen([sys.executable, "-m", "computedomain", "kubelet-plugin"], cwd=REPO, env=env)  # noqa: ASYNC220
-        sock = root / "reg" / f"{DRIVER_NAME}-reg.sock"
-        for _ in range(200):
-            if sock.exists():
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)  # caches synced
-        ms: list[float] = []
+        with bench.step("starting the node agent"):
+            proc = subprocess.Popen(  # noqa: ASYNC220
+                [sys.executable, "-m", "computedomain", "kubelet-plugin"], cwd=REPO, env=env, stderr=subprocess.PIPE
+            )
+            sock = root / "reg" / f"{DRIVER_NAME}-reg.sock"
+            deadline = time.monotonic() + 60
+            while not sock.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = (
+                        proc.stderr.read().decode(errors="replace").strip()
+                        if proc.poll() is not None and proc.stderr
+                        else ""
+                    )
+                    raise RuntimeError(f"the node agent did not register (exit {proc.poll()}): {err[-300:]}")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # caches synced
+        latencies: list[float] = []
         errors = 0
         async with KubeletClient(sock) as kubelet:
-            for i in range(rounds + 5):
+            for i in range(samples + 5):
                 ref = await _allocated_claim(client, ns, f"c{i}", node, uid)
                 start = time.perf_counter()
                 result = (await kubelet.prepare([ref])).get(ref.uid)
-                ms.append((time.perf_counter() - start) * 1000)
-                if result is None or result.error:
-                    errors += 1
-                    print("  error:", result)
+                took = time.perf_counter() - start
+                if i >= 5:
+                    if result is None or result.error:
+                        errors += 1
+                    else:
+                        latencies.append(took)
                 await kubelet.unprepare([ref])
                 # A ready domain's daemon runs on the node, so its label is there when the next Prepare comes.
                 await client.merge_patch(NODES, node, {"metadata": {"labels": {COMPUTE_DOMAIN_LABEL: uid}}})
                 await asyncio.sleep(0.01)
-        return report("channel Prepare, ready domain (agent process + API)", ms[5:], errors)
+        return latencies, errors
     finally:
         if proc is not None:
             proc.terminate()
-            proc.wait(20)
-        await client.close()
-        local.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        local.kubectl("delete", "node", node, "--wait=false", check=False)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            if proc.stderr:
+                proc.stderr.close()
+        with contextlib.suppress(NotFound):
+            await client.delete(NODES, node)
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def _allocated_claim(client: object, ns: str, name: str, node: str, domain: str) -> ClaimRef:
-    from computedomain.kube.client import RESOURCE_CLAIMS, KubeClient
-
-    assert isinstance(client, KubeClient)
+async def _allocated_claim(client: KubeClient, ns: str, name: str, node: str, domain: str) -> ClaimRef:
     claim = await client.create(RESOURCE_CLAIMS, {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name, "namespace": ns},
         "spec": {"devices": {"requests": [{"name": "channel", "exactly": {"deviceClassName": CHANNEL_DEVICE_CLASS}}]}}})  # fmt: skip
@@ -319,24 +307,41 @@ async def _allocated_claim(client: object, ns: str, name: str, node: str, domain
     return ClaimRef(ns, name, ClaimUid(claim["metadata"]["uid"]))
 
 
-async def main(rounds: int = int(os.environ.get("BENCH_PLUGIN_ROUNDS", "200"))) -> None:
+async def run(bench: Bench) -> None:
     """Entry point of `python -m tests.bench plugin` (`make bench-plugin`)."""
-    print(f"node agent benchmark: {rounds} rounds per scenario (medians and p99 of Prepare latency)")
-    rows: list[dict[str, object] | None] = []
-    steps: list[Callable[[], Awaitable[object]]] = [
-        lambda: bench_ready_inprocess(rounds),
-        lambda: bench_cluster(rounds),
-        lambda: bench_host_managed(max(rounds // 4, 20)),
-        lambda: bench_fifty(max(rounds // 10, 10)),
-    ]
-    for step in steps:
-        out = await step()
-        rows.extend(out if isinstance(out, list) else [out])  # type: ignore[arg-type]
-    print(json.dumps([r for r in rows if r], indent=None))
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=200)
-    args = parser.parse_args()
-    asyncio.run(main(args.rounds))
+    samples = bench.size("BENCH_PLUGIN_SAMPLES", 200, 5)
+    rounds = bench.size("BENCH_ROUNDS", 3, 1)
+    section = bench.section
+    section.note(
+        f"{rounds} rounds of {samples} Prepares per scenario (fewer where noted), through the real gRPC sockets"
+    )
+    ready = section.figure(Figure("ready-inprocess", "channel Prepare, ready domain (in-process)", target=READY,
+                                  simulated=FAKES))  # fmt: skip
+    every = section.figure(Figure("ready-all", "channel Prepare, All mode, 2048 channels", simulated=FAKES))
+    cluster = section.figure(Figure("ready-cluster", "channel Prepare, ready domain (agent process + API)",
+                                    target=READY, simulated="clique entry written by the benchmark"))  # fmt: skip
+    fifty = section.figure(Figure("fifty", "50 daemon claims in one call (whole call)", simulated=FAKES))
+    host: dict[str, tuple[Figure, Figure]] = {}
+    for index in range(rounds):
+        with bench.step(f"round {index + 1}: in-process Prepare"):
+            single, all_mode = await bench_ready_inprocess(samples)
+            ready.round(*single)
+            every.round(*all_mode)
+        with bench.step(f"round {index + 1}: Prepare through the agent process and the API"):
+            cluster.round(*await bench_cluster(bench, samples))
+        if os.geteuid() == 0:
+            with bench.step(f"round {index + 1}: hostManaged Prepare (chroot + nvidia-imex-ctl)"):
+                for label, prepare, bare in await bench_host_managed(max(samples // 4, 5)):
+                    if label not in host:
+                        host[label] = (
+                            section.figure(Figure(f"host-{label}", f"hostManaged Prepare incl. chroot + {label}",
+                                                  target=HOST if label.startswith("native") else None,
+                                                  simulated="the host IMEX daemon (IMEX simulator)")),
+                            section.figure(Figure(f"ctl-{label}", f"  of which the ctl exec alone ({label})")),
+                        )  # fmt: skip
+                    host[label][0].round(*prepare)
+                    host[label][1].round(*bare)
+        with bench.step(f"round {index + 1}: 50 claims in one call"):
+            fifty.round(*await bench_fifty(max(samples // 10, 2)))
+    if os.geteuid() != 0:
+        section.note("hostManaged: not measured (needs root for the chroot)")

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO / ".cluster"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_STAGES = Path(__file__).with_name("kwok-stages.yaml")
+BASE_MANIFESTS = REPO / "manifests"
 START_TIMEOUT = 180.0
 # Bumped when the components' flags change, so a running cluster started with older flags is replaced.
 CONFIG_GENERATION = 2
@@ -396,13 +397,55 @@ class LocalCluster:
         return out
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+        result = subprocess.run(
             [str(self.root / "bin" / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
             capture_output=True,
             text=True,
-            check=check,
+            check=False,
             input=input,
         )
+        if check and result.returncode != 0:
+            raise KubectlError(args, result.returncode, result.stderr)
+        return result
+
+    # --- what this service's tests and benchmarks install -----------------------------------------
+
+    def install_base(self) -> list[str]:
+        """The CRDs and DeviceClasses every test and benchmark of this service needs (idempotent).
+
+        Returns the objects (`kind/name`) that were absent, so a caller can remove exactly what it added."""
+        manifests = [BASE_MANIFESTS / "crds", BASE_MANIFESTS / "deviceclasses"]
+        wanted = self.kubectl("apply", "--dry-run=client", "-o", "name", *(f"-f={m}" for m in manifests))
+        present = self.kubectl("get", "--ignore-not-found", "-o", "name", *wanted.stdout.split(), check=False)
+        absent = sorted(set(wanted.stdout.split()) - set(present.stdout.split()))
+        self.kubectl("apply", *(f"-f={m}" for m in manifests))
+        crds = [f"crd/{plural}.resource.nvidia.com" for plural in ("computedomains", "computedomaincliques")]
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+        return absent
+
+    def remove_base(self, objects: list[str]) -> None:
+        """Remove what `install_base` added (CRDs take their remaining custom resources with them)."""
+        if objects:
+            self.kubectl("delete", "--ignore-not-found", "--wait=true", "--timeout=120s", *objects)
+
+    def create_namespace(self, name: str) -> None:
+        """A namespace with its default ServiceAccount (pods need it; the controller-manager adds it)."""
+        self.kubectl("create", "namespace", name)
+        self.kubectl("wait", "--for=create", "--timeout=60s", "serviceaccount/default", "-n", name)
+
+    def delete_namespace(self, name: str, *, wait: bool = False) -> None:
+        self.kubectl("delete", "namespace", name, "--ignore-not-found", f"--wait={str(wait).lower()}", "--timeout=120s")
+
+
+class KubectlError(RuntimeError):
+    """A kubectl call failed; the message is one line naming the command and kubectl's own complaint."""
+
+    def __init__(self, args: tuple[str, ...], code: int, stderr: str) -> None:
+        self.returncode = code
+        self.stderr = stderr
+        shown = " ".join(a for a in args if not a.startswith("-f="))[:120]
+        reason = " ".join(stderr.split())[:300] or f"exit code {code}"
+        super().__init__(f"kubectl {shown}: {reason}")
 
 
 def _alive(pid: int) -> bool:

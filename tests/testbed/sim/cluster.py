@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -207,10 +208,10 @@ class SimCluster:
             admin_kubeconfig=self.local.kubeconfig,
             kubectl=self.local.root / "bin" / "kubectl",
             state_dir=self.root,
-            hosting=Hosting(
-                plugins_per_host=self.config.hosting.plugins_per_host,
-                daemons_per_host=self.config.hosting.daemons_per_host,
-                controller_scope=self.config.hosting.controller_scope or self.workload_ns,
+            # All of the configured hosting (fast ctl, IMEX heartbeats) reaches the runner; only the scope
+            # defaults to this simulation's workload namespace.
+            hosting=dataclasses.replace(
+                self.config.hosting, controller_scope=self.config.hosting.controller_scope or self.workload_ns
             ),
             restart_backoff_s=self.config.restart_backoff_s,
         )
