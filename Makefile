@@ -4,8 +4,10 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
+# e.g. BENCH_ARGS=--smoke (seconds, one round), --out DIR (report directory), --cluster DIR
+BENCH_ARGS ?=
 
-.PHONY: help install testbin image cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds manifests bench bench-controller bench-plugin
+.PHONY: help install testbin image cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds manifests bench bench-controller bench-plugin bench-system bench-fleet
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -64,11 +66,17 @@ crds: install ## regenerate manifests/crds from the pydantic models (then the ch
 manifests: install testbin ## regenerate manifests/base and the chart's CRDs from the chart
 	@$(PY) manifests/generate.py
 
-bench: install testbin ## all benchmarks in one report (medians, p99 and ratios; not pass/fail)
-	@$(PY) -m tests.bench
+bench: install testbin ## all benchmarks: medians, p99, spread over rounds; .bench/report.md (plots) + summary.txt
+	@$(PY) -m tests.bench $(BENCH_ARGS)
 
-bench-controller: install testbin ## controller benchmarks (SPEC section 9)
-	@$(PY) -m tests.bench controller
+bench-controller: install testbin ## controller: create burst vs the API floor, Ready latency, 1,000 domains (SPEC 9)
+	@$(PY) -m tests.bench $(BENCH_ARGS) controller
 
-bench-plugin: install testbin ## node agent Prepare benchmarks (SPEC section 9)
-	@$(PY) -m tests.bench plugin
+bench-plugin: install testbin ## node agent Prepare latency, in-process, through the API, hostManaged (SPEC 9)
+	@$(PY) -m tests.bench $(BENCH_ARGS) plugin
+
+bench-system: install testbin ## a 72-node domain on the simulated cluster, end to end (SPEC 9)
+	@$(PY) -m tests.bench $(BENCH_ARGS) system
+
+bench-fleet: install testbin ## 1,000 kwok nodes, 200 domains: controller convergence, requests, memory
+	@$(PY) -m tests.bench $(BENCH_ARGS) fleet

@@ -42,6 +42,7 @@ from computedomain.kube.client import (
     COMPUTE_DOMAINS,
     DAEMONSETS,
     NODES,
+    PODS,
     RESOURCE_CLAIM_TEMPLATES,
     KubeClient,
     Raw,
@@ -229,6 +230,22 @@ async def delete_all(client: KubeClient, ns: str, within: float = 300, *, unowne
     await poll(gone, within, f"ComputeDomains of {ns} deleted")
 
 
+async def delete_pods(client: KubeClient, ns: str) -> None:
+    """Delete every pod of `ns` (stand-ins that no kubelet runs: they go at once) and wait until gone."""
+    listed = await client.list_all(PODS, namespace=ns)
+    await gather_limited([_delete_pod(client, p["metadata"]["name"], ns) for p in listed.items])
+
+    async def gone() -> bool:
+        return not (await client.list_all(PODS, namespace=ns)).items
+
+    await poll(gone, 300, f"pods of {ns} deleted")
+
+
+async def _delete_pod(client: KubeClient, name: str, ns: str) -> None:
+    with contextlib.suppress(NotFound):
+        await client.delete(PODS, name, namespace=ns)
+
+
 async def _delete(client: KubeClient, name: str, ns: str) -> None:
     with contextlib.suppress(NotFound):
         await client.delete(COMPUTE_DOMAINS, name, namespace=ns)
@@ -267,6 +284,10 @@ async def ready_round(
                 "daemons": [entry("n0", 0, "Ready"), entry("n1", 1, "NotReady")],
             }
             try:
+                # The controller counts only entries whose daemon pod exists on the node: two bound pods stand
+                # in for the daemons (no kubelet runs them; the controller only sees that they exist).
+                for node in ("n0", "n1"):
+                    await client.create(PODS, stand_in_daemon_pod(f"{name}-{node}", driver_ns, uid, node))
                 written = await client.create(COMPUTE_DOMAIN_CLIQUES, clique)
                 await wait_for(lambda name=name: status.get(name) == "NotReady", 30, f"{name} NotReady")
                 body = {**written, "daemons": [entry("n0", 0, "Ready"), entry("n1", 1, "Ready")]}
@@ -280,6 +301,20 @@ async def ready_round(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def stand_in_daemon_pod(name: str, ns: str, cd_uid: str, node: str) -> dict[str, Any]:
+    """A Pod object bound to `node` with the domain's label: what the controller knows of a daemon."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": {COMPUTE_DOMAIN_LABEL: cd_uid}},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "daemon", "image": "registry.example/computedomain:bench"}],
+        },
+    }
 
 
 def bench_node(name: str, clique: str) -> dict[str, Any]:
@@ -380,8 +415,9 @@ async def run(bench: Bench) -> None:
         for index in range(rounds):
             with bench.step(f"round {index + 1}: Ready latency"):
                 ready.round(*await ready_round(client, driver_ns, cd_ns, ready_n, index))
-            with bench.step(f"round {index + 1}: deleting the Ready samples' domains"):
+            with bench.step(f"round {index + 1}: deleting the Ready samples' domains and stand-in pods"):
                 await delete_all(client, cd_ns)
+                await delete_pods(client, driver_ns)
         await scale(bench, client, ctl, cd_ns, scale_n, nodes_n, idle, scale_rounds)
     finally:
         ctl.stop()

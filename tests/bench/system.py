@@ -1,136 +1,281 @@
 """System benchmark (SPEC section 9): a 72-node ComputeDomain over 4 simulated NVL72 cliques, end to end.
 
-The chart is installed by helm on 4 racks x 18 trays (tests/testbed/sim; node agents and IMEX daemons 18 to a
-process, each daemon with its own IMEX simulator process), then, per round, one ComputeDomain and one
-workload pod per node are created at once (`kubectl apply`). Timestamps come from watch events seen by this
-process (one clock):
+The chart is installed by helm on 4 racks x 18 trays (tests/testbed/sim: kwok nodes, kubelet stand-ins, the
+pod runner; node agents and IMEX daemon wrappers hosted 18 to a process, each daemon's `nvidia-imex` the
+IMEX simulator), then, per round, one ComputeDomain and one workload pod per node are created at once
+through the API. Every time below runs from the create request of the ComputeDomain (the cause; the pods'
+requests follow at once) to a watch event seen by this process (the effect), on one clock:
 
-- last daemon READY -> CD Ready: from the moment the last of the 72 clique entries turns Ready (each daemon
-  reports READY there, from its pod's Ready condition, which the kubelet's probe of `nvidia-imex-ctl -q` sets)
-  to the moment the ComputeDomain's status turns Ready. Target: < 2 s (p99 < 0.5 s for the event-driven path);
-- whole bring-up: from `kubectl apply` of the CD and the 72 pods until the CD is Ready and all 72 pods Run.
+- create -> CD Ready, and create -> all workers Running (SPEC 9: < 30 s);
+- last clique entry Ready -> CD Ready: both are watch events of this process, so the figure is the
+  controller's reaction plus the difference of two watch lags (SPEC 9: < 2 s);
+- the controller's own part: CD create -> its three children observed, plus the reaction above, and the
+  controller process' CPU seconds over the round.
 
-Rounds are few (each costs 72 daemons and IMEX simulators on two shared cores): medians over what ran.
+Per round also a convergence series: daemon pods created / Running / Ready, clique entries Ready and
+workers Running over time. Between rounds the workers and the domain are deleted and the next round waits
+until the daemons are gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import statistics
+import contextlib
+import os
+import re
 import time
-from typing import Any
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 
-from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, PODS, Raw
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
+from computedomain.kube.client import (
+    COMPUTE_DOMAIN_CLIQUES,
+    COMPUTE_DOMAINS,
+    DAEMONSETS,
+    PODS,
+    RESOURCE_CLAIM_TEMPLATES,
+    Raw,
+)
 from computedomain.kube.informer import Informer
-from tests.testbed.cluster import LocalCluster
-from tests.testbed.sim.cluster import SimCluster, SimConfig, eventually
+from tests.bench.figures import Figure, Series, Target
+from tests.bench.harness import Bench, gather_limited, poll, wait_for
+from tests.testbed.sim.cluster import SimCluster, SimConfig
 from tests.testbed.sim.pods import Hosting
 
-RACKS = 4
-ROUNDS = 1
-NODES = RACKS * 18
+SIMULATED = "nodes (kwok), kubelet (stand-in + pod runner), nvidia-imex (IMEX simulator); processes hosted 18 to one"
 
 
-class Clock:
-    """Watch-driven milestones of one round."""
+def _ready(pod: Raw) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or ()
+    )
 
-    def __init__(self) -> None:
-        self.entries: dict[str, dict[str, str]] = {}
-        self.all_ready_at: float | None = None
-        self.cd_ready_at: float | None = None
-        self.pods_running: set[str] = set()
-        self.pods_done_at: float | None = None
-        self.first_entry_at: float | None = None
+
+class Round:
+    """Watch-driven milestones of one round, each the first time this process saw it."""
+
+    def __init__(self, nodes: int, t0: float) -> None:
+        self.nodes = nodes
+        self.t0 = t0
+        self.cd_uid = ""
+        self.entries: dict[str, str] = {}  # node -> status, over all cliques of the domain
+        self.daemons: dict[str, dict[str, bool]] = {}  # pod name -> milestones
+        self.workers_running: set[str] = set()
+        self.children: set[str] = set()
+        self.at: dict[str, float] = {}
+        self.curves: dict[str, list[tuple[float, float]]] = {}
+        self.requests: Counter[tuple[str, str, str]] = Counter()  # the apiserver's, during the round
+
+    def _mark(self, what: str) -> None:
+        self.at.setdefault(what, time.monotonic())
+
+    def _point(self, curve: str, value: int) -> None:
+        points = self.curves.setdefault(curve, [])
+        if not points or points[-1][1] != value:
+            points.append((time.monotonic() - self.t0, value))
 
     def clique(self, obj: Raw) -> None:
-        now = time.monotonic()
-        self.entries[obj["metadata"]["name"]] = {d["nodeName"]: d.get("status", "") for d in obj.get("daemons") or ()}
-        if self.first_entry_at is None and any(self.entries.values()):
-            self.first_entry_at = now
-        statuses = [s for c in self.entries.values() for s in c.values()]
-        if self.all_ready_at is None and len(statuses) == NODES and all(s == "Ready" for s in statuses):
-            self.all_ready_at = now
+        if not self.cd_uid or not obj["metadata"]["name"].startswith(self.cd_uid):
+            return
+        for d in obj.get("daemons") or ():
+            self.entries[d["nodeName"]] = d.get("status", "")
+        ready = sum(1 for s in self.entries.values() if s == "Ready")
+        self._point("clique entries Ready", ready)
+        if ready >= self.nodes:
+            self._mark("last entry Ready")
 
     def cd(self, obj: Raw) -> None:
-        if self.cd_ready_at is None and (obj.get("status") or {}).get("status") == "Ready":
-            self.cd_ready_at = time.monotonic()
+        if (obj.get("status") or {}).get("status") == "Ready" and obj["metadata"]["uid"] == self.cd_uid:
+            self._mark("CD Ready")
 
-    def pod(self, obj: Raw) -> None:
-        if (obj.get("status") or {}).get("phase") == "Running":
-            self.pods_running.add(obj["metadata"]["name"])
-        if self.pods_done_at is None and len(self.pods_running) >= NODES:
-            self.pods_done_at = time.monotonic()
+    def daemon(self, pod: Raw) -> None:
+        if (pod["metadata"].get("labels") or {}).get(COMPUTE_DOMAIN_LABEL) != self.cd_uid or not self.cd_uid:
+            return
+        state = self.daemons.setdefault(pod["metadata"]["name"], {})
+        state["running"] = state.get("running") or (pod.get("status") or {}).get("phase") == "Running"
+        state["ready"] = state.get("ready") or _ready(pod)
+        self._point("daemon pods created", len(self.daemons))
+        self._point("daemon pods Running", sum(1 for s in self.daemons.values() if s["running"]))
+        self._point("daemon pods Ready", sum(1 for s in self.daemons.values() if s["ready"]))
+
+    def worker(self, pod: Raw) -> None:
+        if (pod.get("status") or {}).get("phase") == "Running":
+            self.workers_running.add(pod["metadata"]["name"])
+            self._point("workers Running", len(self.workers_running))
+        if len(self.workers_running) >= self.nodes:
+            self._mark("workers Running")
+
+    def child(self, obj: Raw) -> None:
+        if (obj["metadata"].get("labels") or {}).get(COMPUTE_DOMAIN_LABEL) == self.cd_uid and self.cd_uid:
+            self.children.add(f"{obj['kind']}/{obj['metadata']['name']}")
+            if len(self.children) >= 3:
+                self._mark("children")
 
 
-async def one_round(sim: SimCluster, index: int) -> dict[str, float]:
+def apiserver_requests(sim: SimCluster) -> Counter[tuple[str, str, str]]:
+    """The apiserver's request counters by (verb, resource, code), from its /metrics."""
+    text = sim.local.kubectl("get", "--raw", "/metrics").stdout
+    out: Counter[tuple[str, str, str]] = Counter()
+    for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} ([0-9.e+]+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        resource = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
+        out[(labels.get("verb", ""), resource, labels.get("code", ""))] += int(float(m.group(2)))
+    return out
+
+
+def _watch(informer: Informer[Raw], handler: Callable[[Raw], None]) -> None:
+    informer.add_handler(on_add=handler, on_update=lambda _o, n: handler(n))
+
+
+def _controller_cpu(sim: SimCluster) -> float | None:
+    """CPU seconds of the controller process (the one controller replica the runner started)."""
+    assert sim.runner is not None
+    for (key, _container), launched in sim.runner.processes.items():
+        if key.startswith(f"{sim.driver_ns}/") and "controller" in key and launched.pid:
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{launched.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
+async def one_round(sim: SimCluster, index: int, nodes: int, within: float) -> Round:
     assert sim.client is not None
-    clock = Clock()
-    informers: list[Informer[Raw]] = [
-        Informer(sim.client, COMPUTE_DOMAIN_CLIQUES, decode=lambda r: r, namespace=sim.driver_ns),
-        Informer(sim.client, COMPUTE_DOMAINS, decode=lambda r: r, namespace=sim.workload_ns),
-        Informer(sim.client, PODS, decode=lambda r: r, namespace=sim.workload_ns),
-    ]
-    for informer, handler in zip(informers, (clock.clique, clock.cd, clock.pod), strict=True):
-        informer.add_handler(on_add=handler, on_update=lambda _o, n, h=handler: h(n))  # type: ignore[misc]
-    tasks = [asyncio.create_task(i.run()) for i in informers]
-    for informer in informers:
-        await informer.has_synced()
+    client = sim.client
     name = f"bench-{index}"
-    objects: list[dict[str, Any]] = [sim.compute_domain(name, num_nodes=NODES)]
-    objects += [sim.workload_pod(f"{name}-{n.name}", name, n.name) for n in sim.topology]
-    start = time.monotonic()
-    await asyncio.to_thread(sim.apply, objects)
-
-    async def done() -> bool:
-        return bool(clock.cd_ready_at and clock.pods_done_at)
-
+    cd_body = sim.compute_domain(name, num_nodes=nodes)
+    pods = [sim.workload_pod(f"{name}-{n.name}", name, n.name) for n in sim.topology if n.clique][:nodes]
+    progress = Round(nodes, time.monotonic())
+    informers: list[tuple[Informer[Raw], Callable[[Raw], None]]] = [
+        (Informer(client, COMPUTE_DOMAIN_CLIQUES, decode=lambda r: r, namespace=sim.driver_ns), progress.clique),
+        (Informer(client, COMPUTE_DOMAINS, decode=lambda r: r, namespace=sim.workload_ns), progress.cd),
+        (Informer(client, PODS, decode=lambda r: r, namespace=sim.workload_ns), progress.worker),
+        (Informer(client, PODS, decode=lambda r: r, namespace=sim.driver_ns, label_selector=COMPUTE_DOMAIN_LABEL),
+         progress.daemon),
+        (Informer(client, DAEMONSETS, decode=lambda r: r, namespace=sim.driver_ns), progress.child),
+        (Informer(client, RESOURCE_CLAIM_TEMPLATES, decode=lambda r: r), progress.child),
+    ]  # fmt: skip
+    for informer, handler in informers:
+        _watch(informer, handler)
+    tasks = [asyncio.create_task(i.run()) for i, _ in informers]
     try:
-        await eventually(done, within=900, what="72-node domain Ready and 72 pods Running", interval=0.5)
+        for informer, _ in informers:
+            await informer.has_synced()
+        cpu0 = _controller_cpu(sim)
+        requests0 = await asyncio.to_thread(apiserver_requests, sim)
+        progress.t0 = time.monotonic()
+        created = await client.create(COMPUTE_DOMAINS, cd_body)
+        progress.cd_uid = created["metadata"]["uid"]
+        for informer, handler in informers:  # events that arrived before the UID was known
+            for obj in informer.list():
+                handler(obj)
+        await gather_limited([client.create(PODS, p) for p in pods], limit=16)
+        await wait_for(lambda: "CD Ready" in progress.at and "workers Running" in progress.at, within,
+                       f"a {nodes}-node domain Ready and its {nodes} workers Running", interval=0.1)  # fmt: skip
+        cpu1 = _controller_cpu(sim)
+        if cpu0 is not None and cpu1 is not None:
+            progress.at["controller cpu"] = cpu1 - cpu0
+        progress.requests = await asyncio.to_thread(apiserver_requests, sim) - requests0
+        return progress
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    assert clock.cd_ready_at and clock.pods_done_at and clock.all_ready_at
-    result = {
-        "last daemon READY -> CD Ready (s)": clock.cd_ready_at - clock.all_ready_at,
-        "kubectl create -> first daemon registered (s)": (clock.first_entry_at or start) - start,
-        "kubectl create -> last daemon READY (s)": clock.all_ready_at - start,
-        "kubectl create -> CD Ready (s)": clock.cd_ready_at - start,
-        "kubectl create -> all 72 pods Running (s)": clock.pods_done_at - start,
-    }
-    pods = [p["metadata"]["name"] for p in sim.items("pods", sim.workload_ns)]
-    await sim.akubectl("delete", "pods", "-n", sim.workload_ns, "--wait=true", "--timeout=300s", *pods)
+
+
+async def _reset(sim: SimCluster) -> None:
+    """Delete the round's workers and domain; wait until the daemons are gone too."""
+    assert sim.client is not None
+    client = sim.client
+    await sim.akubectl("delete", "pods", "--all", "-n", sim.workload_ns, "--wait=true", "--timeout=300s")
     await sim.delete_compute_domains(within=300)
-    return result
+
+    async def no_daemons() -> bool:
+        return not (await client.list(PODS, namespace=sim.driver_ns, label_selector=COMPUTE_DOMAIN_LABEL)).items
+
+    await poll(no_daemons, 300, "the previous round's daemon pods gone")
 
 
-async def main() -> None:
+async def run(bench: Bench) -> None:
+    section = bench.section
+    racks = bench.size("BENCH_RACKS", 4, 1)
+    trays = bench.size("BENCH_TRAYS", 18, 3)
+    rounds = bench.size("BENCH_ROUNDS", 3, 1)
+    nodes = racks * trays
+    per_host = min(18, trays)
     config = SimConfig(
-        racks=RACKS,
-        trays_per_rack=18,
+        racks=racks,
+        trays_per_rack=trays,
         non_fabric=0,
         hosting=Hosting(
-            plugins_per_host=18, daemons_per_host=18, fast_imex_ctl=True, imex_heartbeat_s=2.0, imex_heartbeat_misses=10
+            plugins_per_host=per_host,
+            daemons_per_host=per_host,
+            fast_imex_ctl=True,
+            imex_heartbeat_s=2.0,
+            imex_heartbeat_misses=10,
         ),
         restart_backoff_s=2.0,
         log_level="warning",
     )
+    label = f"{nodes}-node domain ({racks} clique{'s' if racks > 1 else ''})"
+    sim_text = SIMULATED.replace("18", str(per_host))
+    create_ready = section.figure(Figure("create-ready", f"{label}: create -> CD Ready", simulated=sim_text))
+    create_running = section.figure(Figure("create-running", f"{label}: create -> all {nodes} workers Running",
+                                           target=Target("max", 30.0, "< 30 s"), simulated=sim_text))  # fmt: skip
+    reaction = section.figure(Figure("reaction", "last clique entry Ready -> CD Ready (both observed)",
+                                     target=Target("max", 2.0, "< 2 s"), simulated=sim_text))  # fmt: skip
+    own = section.figure(Figure("controller-own", "controller's own part: create -> 3 children + entry Ready -> CD Ready",
+                                target=Target("max", 2.0, "< 2 s")))  # fmt: skip
+    own_cpu = section.figure(Figure("controller-cpu", "controller CPU over the round", unit="CPU s"))
+    conflicts = section.figure(Figure("clique-conflicts", "clique object writes refused (409 Conflict) per accepted write",
+                                      unit="x", simulated="daemons hosted 18 to a process on 2 shared cores"))  # fmt: skip
+    api = section.figure(Figure("api-requests", "apiserver requests during the round (all clients)", unit="requests"))
     start = time.monotonic()
-    async with SimCluster(LocalCluster(), config) as sim:
-        await sim.wait_installed(within=600)
-        print(
-            f"simulated cluster: {NODES} nodes in {RACKS} cliques, chart installed and every node agent Ready "
-            f"in {time.monotonic() - start:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in sim.timings.items())})",
-            flush=True,
+    with bench.step(f"starting a simulated cluster of {nodes} nodes"):
+        sim = SimCluster(bench.local, config)
+        await sim.__aenter__()
+    try:
+        with bench.step("installing the chart (helm) and waiting for every node agent"):
+            await sim.wait_installed(within=600)
+        section.note(
+            f"simulated cluster: {nodes} nodes in {racks} cliques, chart installed and every node agent Ready in "
+            f"{time.monotonic() - start:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in sim.timings.items())})"
         )
-        rounds = []
-        for index in range(ROUNDS):
-            result = await one_round(sim, index)
-            rounds.append(result)
-            print(f"round {index}: " + ", ".join(f"{k} {v:.2f}" for k, v in result.items()), flush=True)
-        print(f"\n{'72-node domain, 4 cliques':48} {'median':>8} {'max':>8}   (n={len(rounds)})")
-        for key in rounds[0]:
-            values = [r[key] for r in rounds]
-            print(f"  {key:46} {statistics.median(values):8.2f} {max(values):8.2f}")
-        target = statistics.median(r["last daemon READY -> CD Ready (s)"] for r in rounds)
-        print(f"  SPEC 9: CD Ready < 2 s after the last daemon READY: {'met' if target < 2 else 'NOT met'}")
+        for index in range(rounds):
+            with bench.step(f"round {index + 1}: bringing up a {nodes}-node domain"):
+                got = await one_round(sim, index, nodes, within=900)
+            at = got.at
+            create_ready.round([at["CD Ready"] - got.t0])
+            create_running.round([at["workers Running"] - got.t0])
+            reaction.round([at["CD Ready"] - at["last entry Ready"]])
+            own.round([at["children"] - got.t0 + max(0.0, at["CD Ready"] - at["last entry Ready"])])
+            if "controller cpu" in at:
+                own_cpu.round([at["controller cpu"]])
+            req = got.requests
+            clique_writes = {
+                code: n
+                for (verb, res, code), n in req.items()
+                if res == "computedomaincliques" and verb in ("PUT", "POST")
+            }
+            accepted = sum(n for code, n in clique_writes.items() if code.startswith("2"))
+            if accepted:
+                conflicts.round([clique_writes.get("409", 0) / accepted])
+            api.round([float(sum(n for (verb, _r, _c), n in req.items() if verb != "WATCH"))])
+            top = Counter[str]()
+            for (verb, res, code), n in req.items():
+                top[f"{verb} {res}{'' if code.startswith('2') else f' ({code})'}"] += n
+            api.note = "most frequent, last round: " + ", ".join(f"{k}={v}" for k, v in top.most_common(8))
+            series = Series(f"convergence-{index + 1}", f"round {index + 1}: {label} converging", "count",
+                            target_x=30.0, target_text="SPEC 9: workers Running < 30 s", simulated=sim_text)  # fmt: skip
+            series.curves = got.curves
+            section.series.append(series)
+            section.note(
+                f"round {index + 1}: CD Ready {at['CD Ready'] - got.t0:.1f}s, workers Running "
+                f"{at['workers Running'] - got.t0:.1f}s after the create request"
+            )
+            with bench.step(f"round {index + 1}: deleting the workers and the domain"):
+                await _reset(sim)
+    finally:
+        with bench.step("stopping the simulated cluster"):
+            await sim.__aexit__(None, None, None)

@@ -104,6 +104,7 @@ class KubeletStandIn:
         *,
         backoff_s: float = KUBELET_BACKOFF_S,
         dra_timeout_s: float = KUBELET_DRA_TIMEOUT_S,
+        pods: Informer[Raw] | None = None,
     ) -> None:
         self.client = client
         self.node_name = node_name
@@ -113,8 +114,19 @@ class KubeletStandIn:
         self.plugins: dict[str, _Plugin] = {}
         self.claims: dict[str, CachedClaim] = {}
         self.events = EventRecorder(client, component="kubelet", instance=node_name)
-        self.pods: Informer[Raw] = Informer(
-            client, PODS, decode=lambda raw: raw, field_selector=f"spec.nodeName={node_name}", name=f"pods-{node_name}"
+        # `pods`: an informer of a wider set of pods that the caller runs and shares among the stand-ins of
+        # many nodes (one watch instead of one per node); otherwise this stand-in watches its node's pods.
+        self._own_informer = pods is None
+        self.pods: Informer[Raw] = (
+            pods
+            if pods is not None
+            else Informer(
+                client,
+                PODS,
+                decode=lambda raw: raw,
+                field_selector=f"spec.nodeName={node_name}",
+                name=f"pods-{node_name}",
+            )
         )
         self.pods.add_handler(
             on_add=self._enqueue_pod, on_update=lambda _o, new: self._enqueue_pod(new), on_delete=self._enqueue_pod
@@ -134,7 +146,8 @@ class KubeletStandIn:
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._watch_plugins(), name=f"standin-plugins-{self.node_name}")
-                tasks.create_task(self.pods.run(), name=f"standin-pods-{self.node_name}")
+                if self._own_informer:
+                    tasks.create_task(self.pods.run(), name=f"standin-pods-{self.node_name}")
                 tasks.create_task(self._dispatch(), name=f"standin-dispatch-{self.node_name}")
         finally:
             for worker in self._workers.values():
@@ -185,12 +198,14 @@ class KubeletStandIn:
     # -- pod queue (one worker per pod at a time, dirty marks coalesce)
 
     def _enqueue_pod(self, pod: Raw) -> None:
+        if (pod.get("spec") or {}).get("nodeName") != self.node_name:
+            return  # another node's pod (shared informer)
         meta = pod.get("metadata") or {}
         self._mark(object_key(meta.get("namespace"), str(meta.get("name"))))
 
     def _enqueue_all(self) -> None:
-        for key in self.pods.keys():  # noqa: SIM118 (Informer.keys, not a dict)
-            self._mark(key)
+        for pod in self.pods.list():
+            self._enqueue_pod(pod)
 
     def _mark(self, key: str) -> None:
         self._dirty.add(key)

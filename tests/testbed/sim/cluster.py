@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import yaml
 
 from computedomain.api.constants import CHANNEL_DEVICE_CLASS, DRIVER_NAME
-from computedomain.kube.client import COMPUTE_DOMAINS, DEVICE_CLASSES, PODS, RESOURCE_SLICES, KubeClient
+from computedomain.kube.client import COMPUTE_DOMAINS, DEVICE_CLASSES, PODS, RESOURCE_SLICES, ClientConfig, KubeClient
 from computedomain.kube.errors import NotFound
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION, KWOK_STAGES, LocalCluster, free_port
 from tests.testbed.kubelet import KubeletStandIn
@@ -55,6 +55,7 @@ T = TypeVar("T")
 
 CHART = REPO / "manifests" / "helm" / "compute-domain"
 GV = "resource.nvidia.com/v1beta1"
+TESTBED_LOGGERS = ("sim", "kubelet-standin")
 
 
 def chart_image() -> str:
@@ -78,6 +79,53 @@ class SimConfig:
     kubelet_backoff_s: float = 2.0
     log_level: str = "info"
     keep_root: bool = False
+
+
+def start_kwok(
+    local: LocalCluster, annotation_value: str, log_path: Path, *, lease_s: int = 40, cidr: str = "10.246.0.1/16"
+) -> subprocess.Popen[bytes]:
+    """A kwok of its own that manages only the Nodes annotated `kwok.x-k8s.io/node=<annotation_value>`, with
+    the test bed's stages; `lease_s` is the node lease duration (kwok renews a lease every quarter of it)."""
+    bin_dir = Path(
+        subprocess.run(
+            [str(REPO / "testbin" / "build.sh"), "--print"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )
+    port = free_port()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log_file:
+        kwok = subprocess.Popen(
+            [
+                str(bin_dir / "kwok"), f"--kubeconfig={local.root / 'kwok.kubeconfig'}",
+                f"--config={KWOK_STAGES}", "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={annotation_value}",
+                f"--cidr={cidr}", "--node-ip=10.0.0.3", f"--node-lease-duration-seconds={lease_s}",
+                f"--server-address=127.0.0.1:{port}",
+            ],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if kwok.poll() is not None:
+            raise RuntimeError(f"kwok exited at start; see {log_path}")
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp,
+        ):
+            if resp.status == 200:
+                return kwok
+        time.sleep(0.2)
+    kwok.kill()
+    raise RuntimeError("kwok not healthy within 60s")
+
+
+def stop_kwok(kwok: subprocess.Popen[bytes]) -> None:
+    kwok.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        kwok.wait(10)
+    if kwok.poll() is None:
+        kwok.kill()
+        kwok.wait(5)
 
 
 async def eventually(check: Callable[[], Awaitable[T | None]], *, within: float, what: str, interval: float = 0.2) -> T:
@@ -123,6 +171,7 @@ class SimCluster:
         self._kwok: subprocess.Popen[bytes] | None = None
         self.installed = False
         self.timings: dict[str, float] = {}
+        self._log_handler: logging.Handler | None = None
 
     @property
     def host_managed(self) -> bool:
@@ -190,23 +239,29 @@ class SimCluster:
     async def _start(self) -> None:
         start = time.monotonic()
         self.topology.write()
-        self.client = await KubeClient.connect(kubeconfig=self.local.kubeconfig)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # The test bed's own record (pod runner, kubelet stand-ins): what happened when, for a slow run.
+        self._log_handler = logging.FileHandler(self.log_dir / "testbed.log")
+        self._log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        for name in TESTBED_LOGGERS:
+            logging.getLogger(name).addHandler(self._log_handler)
+            if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
+                logging.getLogger(name).setLevel(logging.INFO)
+        # One client plays every node's kubelet (a real one allows itself 50 QPS per node) and the container
+        # runtime; the client's default 20 QPS, shared by 72 nodes, made pods wait for the token bucket.
+        qps = 50.0 * len(self.topology.nodes)
+        self.client = await KubeClient.connect(
+            kubeconfig=self.local.kubeconfig, config=ClientConfig(qps=qps, burst=int(2 * qps))
+        )
         for ns in (self.driver_ns, self.workload_ns):
             self.kubectl("create", "namespace", ns, check=False)
         self._start_kwok()
         self.apply([n.manifest(self.id, self.kwok_value) for n in self.topology])
-        for node in self.topology:
-            standin = KubeletStandIn(
-                self.client, node.name, node.registrar_dir, backoff_s=self.config.kubelet_backoff_s
-            )
-            self.standins[node.name] = standin
-            self._tasks.append(asyncio.create_task(standin.run(), name=f"kubelet-{node.name}"))
         self.runner = PodRunner(
             self.client,
             self.topology,
             images={self.image},
             admin_kubeconfig=self.local.kubeconfig,
-            kubectl=self.local.root / "bin" / "kubectl",
             state_dir=self.root,
             # All of the configured hosting (fast ctl, IMEX heartbeats) reaches the runner; only the scope
             # defaults to this simulation's workload namespace.
@@ -215,6 +270,17 @@ class SimCluster:
             ),
             restart_backoff_s=self.config.restart_backoff_s,
         )
+        for node in self.topology:
+            # The stand-ins share the pod runner's informer: one pod watch for the simulation, not one per node.
+            standin = KubeletStandIn(
+                self.client,
+                node.name,
+                node.registrar_dir,
+                backoff_s=self.config.kubelet_backoff_s,
+                pods=self.runner.informer,
+            )
+            self.standins[node.name] = standin
+            self._tasks.append(asyncio.create_task(standin.run(), name=f"kubelet-{node.name}"))
         self._tasks.append(asyncio.create_task(self.runner.run(), name="pod-runner"))
         if self.host_managed:
             self.host_imex = HostImex(self.topology, self.log_dir)
@@ -253,36 +319,7 @@ class SimCluster:
         self.helm(*args)
 
     def _start_kwok(self) -> None:
-        bin_dir = Path(
-            subprocess.run(
-                [str(REPO / "testbin" / "build.sh"), "--print"], check=True, capture_output=True, text=True
-            ).stdout.strip()
-        )
-        port = free_port()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with (self.log_dir / "kwok.log").open("ab") as log_file:
-            self._kwok = subprocess.Popen(
-                [
-                    str(bin_dir / "kwok"), f"--kubeconfig={self.local.root / 'kwok.kubeconfig'}",
-                    f"--config={KWOK_STAGES}", "--manage-all-nodes=false",
-                    f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={self.kwok_value}",
-                    "--cidr=10.246.0.1/16", "--node-ip=10.0.0.3", "--node-lease-duration-seconds=40",
-                    f"--server-address=127.0.0.1:{port}",
-                ],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self._kwok.poll() is not None:
-                raise RuntimeError(f"kwok exited at start; see {self.log_dir / 'kwok.log'}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp,
-            ):
-                if resp.status == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError("kwok not healthy within 60s")
+        self._kwok = start_kwok(self.local, self.kwok_value, self.log_dir / "kwok.log")
 
     async def wait_installed(self, within: float = 240) -> None:
         """Controller replicas Ready and every node agent's pod Ready with its ResourceSlice published."""
@@ -341,11 +378,7 @@ class SimCluster:
         if self.host_imex is not None:
             await self.host_imex.stop_all()
         if self._kwok is not None:
-            self._kwok.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._kwok.wait(10)
-            if self._kwok.poll() is None:
-                self._kwok.kill()
+            stop_kwok(self._kwok)
         names = [n.name for n in self.topology]
         self.kubectl("delete", "node", *names, "--wait=false", check=False)
         if client is not None:
@@ -363,6 +396,10 @@ class SimCluster:
             await client.close()
         if self.host_imex is not None:
             self.host_imex.unmount_all()
+        if self._log_handler is not None:
+            for name in TESTBED_LOGGERS:
+                logging.getLogger(name).removeHandler(self._log_handler)
+            self._log_handler.close()
         if not self.config.keep_root:
             if mounted_below(self.root):
                 log.error("bind mounts remain below %s; not deleting it", self.root)

@@ -51,7 +51,7 @@ from typing import Any, Final
 
 import yaml
 
-from computedomain.kube.client import PODS, KubeClient, Raw
+from computedomain.kube.client import PODS, KubeClient, Raw, Resource
 from computedomain.kube.errors import KubeError, NotFound
 from computedomain.kube.informer import Informer
 from tests.testbed.sim.containers import (
@@ -158,10 +158,23 @@ class PodWorker:
 
     async def _kubeconfig(self) -> Path:
         sa = self.pod["spec"].get("serviceAccountName") or "default"
-        token = await self.runner.kubectl(
-            "create", "token", sa, "-n", self.namespace, "--bound-object-kind=Pod",
-            f"--bound-object-name={self.name}", f"--bound-object-uid={self.uid}", "--duration=24h",
-        )  # fmt: skip
+        # `kubectl create token SA --bound-object-kind=Pod ...` as one request instead of a kubectl process per
+        # pod: a TokenRequest is a create on the ServiceAccount's `token` subresource, whose path a Resource
+        # with that plural gives.
+        token_request = Resource("", "v1", f"serviceaccounts/{sa}/token", True, "TokenRequest")
+        reply = await self.runner.client.create(
+            token_request,
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "expirationSeconds": 86400,
+                    "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid},
+                },
+            },
+            namespace=self.namespace,
+        )
+        token = str(reply["status"]["token"])
         admin = yaml.safe_load(self.runner.admin_kubeconfig.read_text())
         path = self.dir / "kubeconfig"
         path.write_text(
@@ -344,11 +357,14 @@ class PodWorker:
             log.info("pod gone before it started pod=%s (%s)", self.key, exc)
             return
         try:
+            t0 = time.monotonic()
             kubeconfig = await self._kubeconfig()
+            t1 = time.monotonic()
             for state in self.containers:
                 state.plan = await self._plan(state, kubeconfig)
             if any(c.spec.get(p) for c in self.containers for p in ("startupProbe", "readinessProbe")):
                 await self.write_status()
+            log.info("starting pod=%s token=%.2fs plan+status=%.2fs", self.key, t1 - t0, time.monotonic() - t1)
             async with asyncio.TaskGroup() as tasks:
                 for state in self.containers:
                     tasks.create_task(self._container(state), name=f"container-{self.key}-{state.spec['name']}")
@@ -385,6 +401,7 @@ class PodWorker:
 
             def on_ready(ok: bool, state: ContainerState = state) -> None:
                 if ok != state.ready:
+                    log.info("pod=%s container=%s ready=%s", self.key, state.spec["name"], ok)
                     state.ready = ok
                     self._changed()
 
@@ -438,7 +455,6 @@ class PodRunner:
         *,
         images: set[str],
         admin_kubeconfig: Path,
-        kubectl: Path,
         state_dir: Path,
         hosting: Hosting | None = None,
         restart_backoff_s: float = 10.0,
@@ -448,7 +464,6 @@ class PodRunner:
         self.topology = topology
         self.images = images
         self.admin_kubeconfig = admin_kubeconfig
-        self.kubectl_bin = kubectl
         self.state_dir = state_dir
         self.hosting = hosting or Hosting()
         self.restart_backoff_s = restart_backoff_s
@@ -468,16 +483,6 @@ class PodRunner:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def kubectl(self, *args: str) -> str:
-        proc = await asyncio.create_subprocess_exec(
-            str(self.kubectl_bin), f"--kubeconfig={self.admin_kubeconfig}", *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        out, err = await proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args[:3])}: {err.decode().strip()}")
-        return out.decode()
 
     async def launch(self, plan: ContainerPlan, container_id: str, log_path: Path) -> Launched:
         kind = _kind(plan.program)
