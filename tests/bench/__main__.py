@@ -30,10 +30,10 @@ from tests.testbed.cluster import DEFAULT_ROOT, REPO, LocalCluster, running_clus
 
 BENCHMARKS = ("controller", "plugin", "system", "fleet")
 TITLES = {
-    "controller": "Controller (SPEC 9: create burst, Ready latency, 1,000 domains on 2,000 nodes)",
-    "plugin": "Node agent Prepare (SPEC 9: channel Prepare p99)",
-    "system": "72-node domain on the simulated cluster (SPEC 9: a rack in seconds)",
-    "fleet": "Fleet: 1,000 kwok nodes, 200 domains (controller convergence, requests, memory)",
+    "controller": "Controller: create burst vs the API-write floor, Ready latency, domains at scale (SPEC 9)",
+    "plugin": "Node agent: channel Prepare latency (SPEC 9)",
+    "system": "System: one domain over simulated NVL72 racks, end to end (SPEC 9: a rack in seconds)",
+    "fleet": "Fleet: kwok nodes and many domains at once (controller convergence, requests, memory)",
 }
 
 
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
             added = local.install_base()
             try:
                 for name in names:
-                    section = Section(TITLES[name])
+                    section = Section(TITLES[name], key=name)
                     sections.append(section)
                     print(f"\n=== benchmark: {name}{' (smoke size)' if args.smoke else ''} ===", flush=True)
                     t0 = time.monotonic()

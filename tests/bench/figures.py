@@ -140,6 +140,7 @@ class Section:
     """One benchmark's results: its figures, its series, and free text lines (setup, sizes, caveats)."""
 
     name: str
+    key: str = ""  # short, for file names (the benchmark's module name)
     figures: list[Figure] = field(default_factory=list)
     series: list[Series] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

@@ -12,7 +12,6 @@ the SPEC section 9 target and whether it is met, what was simulated), then the p
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,6 +130,7 @@ def write(sections: Sequence[Section], out: Path, *, header: Sequence[str] = (),
     plot_dir.mkdir(parents=True, exist_ok=True)
     lines = ["# Benchmark report", "", *header, ""]
     for section in sections:
+        slug = _slug(section.key or section.name)
         lines += [f"## {section.name}", ""]
         if section.failed:
             lines += [f"**Did not finish:** {section.failed}", ""]
@@ -143,17 +143,17 @@ def write(sections: Sequence[Section], out: Path, *, header: Sequence[str] = (),
             continue
         for figure in section.figures:
             if figure.samples and not all(len(r) == 1 for r in figure.rounds):
-                name = f"{_slug(section.name)}-{_slug(figure.key)}.png"
+                name = f"{slug}-{_slug(figure.key)}.png"
                 _plot_distribution(figure, plot_dir / name)
                 lines += [f"![{figure.title}](plots/{name})", ""]
         values = [f for f in section.figures if f.samples and all(len(r) == 1 for r in f.rounds)]
         if values:
-            name = f"{_slug(section.name)}-values.png"
+            name = f"{slug}-values.png"
             _plot_values(values, plot_dir / name)
             lines += [f"![{section.name}: values per round](plots/{name})", ""]
         for series in section.series:
             if any(series.curves.values()):
-                name = f"{_slug(section.name)}-{_slug(series.key)}.png"
+                name = f"{slug}-{_slug(series.key)}.png"
                 _plot_series(series, plot_dir / name)
                 caption = series.title + (f" (simulated: {series.simulated})" if series.simulated else "")
                 lines += [f"![{caption}](plots/{name})", "", f"*{caption}*", ""]
@@ -171,7 +171,3 @@ def summary(sections: Sequence[Section]) -> str:
             out.append(f"   did not finish: {section.failed}")
         out += [f"   {f.line()}" for f in section.figures]
     return "\n".join(out) + "\n"
-
-
-def nan_safe(value: float) -> float | None:
-    return None if math.isnan(value) else value

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import time
@@ -40,7 +41,7 @@ from computedomain.kube.client import (
 from computedomain.kube.informer import Informer
 from tests.bench.figures import Figure, Series, Target
 from tests.bench.harness import Bench, gather_limited, poll, wait_for
-from tests.testbed.sim.cluster import SimCluster, SimConfig
+from tests.testbed.sim.cluster import TESTBED_LOGGERS, SimCluster, SimConfig
 from tests.testbed.sim.pods import Hosting
 
 SIMULATED = "nodes (kwok), kubelet (stand-in + pod runner), nvidia-imex (IMEX simulator); processes hosted 18 to one"
@@ -231,6 +232,9 @@ async def run(bench: Bench) -> None:
     conflicts = section.figure(Figure("clique-conflicts", "clique object writes refused (409 Conflict) per accepted write",
                                       unit="x", simulated="daemons hosted 18 to a process on 2 shared cores"))  # fmt: skip
     api = section.figure(Figure("api-requests", "apiserver requests during the round (all clients)", unit="requests"))
+    for logger in TESTBED_LOGGERS:  # the test bed's INFO record goes to its log file, not to this output
+        logging.getLogger(logger).setLevel(logging.INFO)
+        logging.getLogger(logger).propagate = False
     start = time.monotonic()
     with bench.step(f"starting a simulated cluster of {nodes} nodes"):
         sim = SimCluster(bench.local, config)

@@ -240,13 +240,11 @@ class SimCluster:
         start = time.monotonic()
         self.topology.write()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # The test bed's own record (pod runner, kubelet stand-ins): what happened when, for a slow run.
+        # The test bed's own record (pod runner, kubelet stand-ins) at the loggers' levels: what happened when.
         self._log_handler = logging.FileHandler(self.log_dir / "testbed.log")
         self._log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
         for name in TESTBED_LOGGERS:
             logging.getLogger(name).addHandler(self._log_handler)
-            if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
-                logging.getLogger(name).setLevel(logging.INFO)
         # One client plays every node's kubelet (a real one allows itself 50 QPS per node) and the container
         # runtime; the client's default 20 QPS, shared by 72 nodes, made pods wait for the token bucket.
         qps = 50.0 * len(self.topology.nodes)
