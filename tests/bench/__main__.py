@@ -42,8 +42,11 @@ async def _run_one(name: str, local: LocalCluster, section: Section, smoke: bool
     try:
         module = importlib.import_module(f"tests.bench.{name}")
         await module.run(bench)
-    except (Exception, asyncio.CancelledError) as exc:
+    except Exception as exc:  # the one line is the report
         section.failed = bench.failure(exc)
+    except asyncio.CancelledError:  # Ctrl-C: clean up below, then stop the whole run
+        section.failed = f"interrupted while {bench.current}"
+        raise
     finally:
         with bench.step("cleaning up"):
             try:
@@ -76,7 +79,11 @@ def main(argv: list[str]) -> int:
                     sections.append(section)
                     print(f"\n=== benchmark: {name}{' (smoke size)' if args.smoke else ''} ===", flush=True)
                     t0 = time.monotonic()
-                    asyncio.run(_run_one(name, local, section, args.smoke))
+                    try:
+                        asyncio.run(_run_one(name, local, section, args.smoke))
+                    except KeyboardInterrupt:
+                        print(f"bench {name} {section.failed or 'interrupted'}", file=sys.stderr, flush=True)
+                        return 130
                     for figure in section.figures:
                         print(f"  {figure.line()}", flush=True)
                     if section.failed:

@@ -74,9 +74,13 @@ class ControllerProcess:
             "LOG_LEVEL": "warning",
             "TEST_CD_NAMESPACE": cd_ns,
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.cluster.controller.proc"], cwd=REPO, env=env, stderr=subprocess.PIPE
-        )
+        # Its log goes to a file: a pipe nobody reads fills up and stops the controller at its next write.
+        self.log = bench.local.logs / f"bench-controller-{bench.tag}-{self.port}.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.cluster.controller.proc"], cwd=REPO, env=env, stderr=log
+            )
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
@@ -86,7 +90,7 @@ class ControllerProcess:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = (self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else "").strip()
+                err = self.log.read_text(errors="replace").strip()
                 raise RuntimeError(f"the controller exited with {self.proc.returncode}: {err[-300:]}")
             with contextlib.suppress(OSError):
                 if '"leading": true' in await asyncio.to_thread(self.get, "/readyz"):
@@ -120,8 +124,6 @@ class ControllerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
-        if self.proc.stderr:
-            self.proc.stderr.close()
 
 
 def rss_mib(pid: int) -> float:

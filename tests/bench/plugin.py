@@ -247,18 +247,16 @@ async def bench_cluster(bench: Bench, samples: int) -> Sample:
             "KUBE_API_QPS": "500", "KUBE_API_BURST": "1000",
         }  # fmt: skip
         with bench.step("starting the node agent"):
-            proc = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-m", "computedomain", "kubelet-plugin"], cwd=REPO, env=env, stderr=subprocess.PIPE
-            )
+            log_path = root / "node-agent.log"  # a file, not a pipe that fills up and stops the agent
+            with log_path.open("ab") as log:
+                proc = subprocess.Popen(  # noqa: ASYNC220
+                    [sys.executable, "-m", "computedomain", "kubelet-plugin"], cwd=REPO, env=env, stderr=log
+                )
             sock = root / "reg" / f"{DRIVER_NAME}-reg.sock"
             deadline = time.monotonic() + 60
             while not sock.exists():
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    err = (
-                        proc.stderr.read().decode(errors="replace").strip()
-                        if proc.poll() is not None and proc.stderr
-                        else ""
-                    )
+                    err = log_path.read_text(errors="replace").strip()
                     raise RuntimeError(f"the node agent did not register (exit {proc.poll()}): {err[-300:]}")
                 await asyncio.sleep(0.05)
             await asyncio.sleep(1.0)  # caches synced
@@ -288,8 +286,6 @@ async def bench_cluster(bench: Bench, samples: int) -> Sample:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-            if proc.stderr:
-                proc.stderr.close()
         with contextlib.suppress(NotFound):
             await client.delete(NODES, node)
         shutil.rmtree(root, ignore_errors=True)
