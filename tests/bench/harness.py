@@ -88,8 +88,10 @@ class Bench:
 
     async def close(self) -> None:
         """Remove what this benchmark created; errors here are reported, not raised."""
-        client = self._clients[0] if self._clients else await self.client()
+        if self._namespaces and not self._clients:
+            await self.client()
         for ns in self._namespaces:
+            client = self._clients[0]
             with contextlib.suppress(KubeError, OSError):
                 await release_finalizers(client, ns)
             with contextlib.suppress(Exception):
