@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,9 @@ TITLES = {
 
 async def _run_one(name: str, local: LocalCluster, section: Section, smoke: bool) -> None:
     bench = Bench(local, section, smoke=smoke)
+    # Other work on the machine moves every wall-clock figure: say how busy it was.
+    load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
+    section.notes.append(f"machine: {os.cpu_count()} cores, load average (1/5/15 min) at start {load}")
     try:
         module = importlib.import_module(f"tests.bench.{name}")
         await module.run(bench)
@@ -48,6 +52,8 @@ async def _run_one(name: str, local: LocalCluster, section: Section, smoke: bool
         section.failed = f"interrupted while {bench.current}"
         raise
     finally:
+        load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
+        section.notes.append(f"load average (1/5/15 min) at the end {load}")
         with bench.step("cleaning up"):
             try:
                 await bench.close()
