@@ -68,7 +68,8 @@ class Bench:
         return client
 
     async def namespace(self, purpose: str) -> str:
-        name = f"bench-{purpose}-{self.tag}"
+        taken = sum(1 for n in self._namespaces if n.startswith(f"bench-{purpose}-{self.tag}"))
+        name = f"bench-{purpose}-{self.tag}" + (f"-{taken}" if taken else "")  # a round may ask again
         await asyncio.to_thread(self.local.create_namespace, name)
         self._namespaces.append(name)
         return name
