@@ -18,8 +18,14 @@ class               typical cause                           who reacts, how
 ``Transient``       5xx, timeouts, connection errors        client: retried with jittered backoff
 ``Permanent``       400, 401, 403, 405, 415, 422, ...       nobody retries at call level
 ``Invalid``         422 (a ``Permanent``), ``causes``       caller: report the field, stop
-``Forbidden``       403 (a ``Permanent``)                   caller: report RBAC problem
+``Forbidden``       403 (a ``Permanent``)                   caller: report RBAC problem (or quota)
 ==================  ======================================  =========================================
+
+Whether an error is worth retrying is decided by its HTTP status code alone (``KubeError.permanent``), never
+by class names: 4xx codes other than 404, 408, 409, 410 and 429 and the 501 cannot heal by repeating the
+request; everything else (including "no response", code 0) can. The client records which request failed
+(``verb``, ``resource``, ``namespace``), so ``explain`` can say in one line which permission is missing, which
+field is invalid or which quota is exhausted, and what to do about it.
 
 This module is pure (no I/O, no globals) and safe to use from any task.
 """
@@ -45,8 +51,13 @@ __all__ = [
     "Transient",
     "error_from_response",
     "error_from_status",
+    "explain",
     "parse_retry_after",
 ]
+
+#: 4xx codes that a later, identical request can get past (the object appears, the conflict or the rate
+#: limit passes, the client times out); every other 4xx, and 501, is permanent.
+_RETRYABLE_4XX = frozenset({404, 408, 409, 410, 429})
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +74,13 @@ class KubeError(Exception):
 
     ``status`` is the HTTP code (0 when no response arrived), ``reason`` the machine-readable
     ``Status.reason`` (``NotFound``, ``Conflict``, ``Invalid``, ...), ``message`` the apiserver's text.
+    ``verb``, ``resource`` (``plural.group``) and ``namespace`` say which request failed; the client fills
+    them in.
     """
+
+    verb: str = ""
+    resource: str = ""
+    namespace: str = ""
 
     def __init__(
         self,
@@ -84,6 +101,17 @@ class KubeError(Exception):
         self.kind = kind
         self.name = name
         self.retry_after = retry_after
+
+    @property
+    def permanent(self) -> bool:
+        """Repeating the same request cannot succeed: decided by the status code (see the module)."""
+        return self.status == 501 or (400 <= self.status < 500 and self.status not in _RETRYABLE_4XX)
+
+    def for_request(self, verb: str, resource: str, namespace: str | None) -> KubeError:
+        """Record the request that failed (first caller wins: the innermost knows best)."""
+        if not self.verb:
+            self.verb, self.resource, self.namespace = verb, resource, namespace or ""
+        return self
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -228,3 +256,22 @@ def error_from_response(
         text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
         status = {"message": f"HTTP {http_status}: {text[:500]}"}
     return error_from_status(status, http_status=http_status, retry_after=parse_retry_after(retry_after_header))
+
+
+def explain(exc: KubeError) -> str:
+    """One line for a user: what the apiserver refused, naming the permission, field or quota, and the fix."""
+    where = f" in namespace {exc.namespace}" if exc.namespace else " (cluster scope)" if exc.verb else ""
+    request = f"{exc.verb} {exc.resource}{where}" if exc.verb else "the request"
+    if exc.status == 403 and "exceeded quota" in exc.message:
+        # The ResourceQuota admission plugin answers 403 with this wording; there is no separate reason.
+        return f"{request} refused by a ResourceQuota: {exc.message}; raise the quota or free some of it"
+    if exc.status == 403:
+        return (
+            f"RBAC: this component's ServiceAccount may not {request} ({exc.message}); grant the verb "
+            f"{exc.verb or '?'} on {exc.resource or '?'} in its ClusterRole (the chart's RBAC templates)"
+        )
+    if exc.status == 401:
+        return f"unauthorized ({exc.message}); the credentials were rejected: check the ServiceAccount token"
+    if exc.status == 422:
+        return f"{request} rejected as invalid: {exc.message}"
+    return f"{request} failed: HTTP {exc.status} {exc.reason}: {exc.message}".replace("HTTP 0 : ", "")

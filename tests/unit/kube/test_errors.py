@@ -130,3 +130,33 @@ def test_watch_error_event_status_maps_to_gone() -> None:
     err = error_from_status(status)
     assert isinstance(err, errors.Gone)
     assert "too old" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("code", "permanent"),
+    [(0, False), (400, True), (401, True), (403, True), (404, False), (405, True), (408, False), (409, False),
+     (410, False), (415, True), (422, True), (429, False), (500, False), (501, True), (503, False), (504, False)],
+)  # fmt: skip
+def test_permanence_is_decided_by_the_status_code(code: int, permanent: bool) -> None:
+    err = error_from_response(code, _status(code, "", "x")) if code else errors.Transient("no answer")
+    assert err.permanent is permanent
+
+
+def test_explain_names_permission_quota_and_field() -> None:
+    forbidden = error_from_response(403, _status(403, "Forbidden", "nope")).for_request("watch", "nodes", None)
+    assert "may not watch nodes (cluster scope)" in errors.explain(forbidden)
+    assert "grant the verb watch on nodes" in errors.explain(forbidden)
+    quota = error_from_response(
+        403, _status(403, "Forbidden", "exceeded quota: q, requested: count/x=1, used: count/x=0, limited: count/x=0")
+    ).for_request("create", "resourceclaimtemplates.resource.k8s.io", "team")
+    assert "refused by a ResourceQuota" in errors.explain(quota)
+    assert "raise the quota" in errors.explain(quota)
+    invalid = error_from_response(422, _status(422, "Invalid", 'metadata.name: Invalid value: "A_b"'))
+    invalid.for_request("create", "resourceclaimtemplates.resource.k8s.io", "team")
+    assert errors.explain(invalid).endswith('rejected as invalid: metadata.name: Invalid value: "A_b"')
+
+
+def test_the_first_request_context_wins() -> None:
+    err = errors.NotFound("x").for_request("get", "pods", "a")
+    err.for_request("list", "nodes", None)
+    assert (err.verb, err.resource, err.namespace) == ("get", "pods", "a")
