@@ -231,8 +231,8 @@ class Reconciler:
                     "finalizers": [*cd.metadata.finalizers, COMPUTE_DOMAIN_FINALIZER],
                 }
             }
-            with_finalizer = await self.client.merge_patch(
-                COMPUTE_DOMAINS, cd.metadata.name, patch, namespace=cd.metadata.namespace, decode=_decode_cd
+            with_finalizer = _decode_cd(
+                await self.client.merge_patch(COMPUTE_DOMAINS, cd.metadata.name, patch, namespace=cd.metadata.namespace)
             )
             self.caches.note_written(with_finalizer)
             return with_finalizer
@@ -276,7 +276,9 @@ class Reconciler:
                 },
                 "status": action.status.to_api(),
             }
-            raw = await self.client.replace_status(COMPUTE_DOMAINS, body, namespace=cd.metadata.namespace)
+            raw = await self.client.replace(
+                COMPUTE_DOMAINS, body, namespace=cd.metadata.namespace, subresource="status"
+            )
             written = _decode_cd(raw)
             self.caches.note_written(written)
             log.info(
@@ -366,8 +368,8 @@ class Sweeper:
         if not found:
             SWEEPS.labels("clean").inc()
             return False
-        live = await self.writer.client.list_all(COMPUTE_DOMAINS, decode=_uid_of)
-        orphans = cleanup.confirm(found, set(live.items))
+        live = await self.writer.client.list_all(COMPUTE_DOMAINS)
+        orphans = cleanup.confirm(found, {_uid_of(cd) for cd in live.items})
         if not orphans:
             SWEEPS.labels("lagging_cache").inc()
             return True

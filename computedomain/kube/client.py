@@ -5,14 +5,16 @@ What it owns:
 * loading credentials (a kubeconfig path, the in-cluster service account, or the default kubeconfig) through
   kubernetes_asyncio's config loaders, and one pooled aiohttp session (kubernetes_asyncio's ``ApiClient``);
 * raw JSON requests for any resource path (``Resource`` says where a kind lives): get, list with selectors and
-  pagination, create, replace, status replace, merge/JSON patch, server-side apply, delete with
-  preconditions, and streaming watch. Responses are ``json.loads``-ed and handed to a caller-supplied decoder
-  (a pydantic ``model_validate`` or a small frozen projection); without one, callers get the plain dict.
-  Generated kubernetes_asyncio models are never built: they are 16-25x slower to decode;
+  pagination, create, replace (also of a subresource), merge and JSON patch, delete with a UID precondition,
+  and streaming watch. Callers get the decoded JSON and turn it into a pydantic model or a small frozen
+  projection themselves. Generated kubernetes_asyncio models are never built: they are 16-25x slower to
+  decode;
 * a client-side token bucket (QPS/burst), a deadline on every attempt and on the whole call, and the single
   call-level retry loop (tenacity): ``Transient`` and ``TooManyRequests`` are retried with jittered
   exponential backoff, honouring ``Retry-After``; ``NotFound``, ``Conflict``, ``Gone`` and ``Permanent`` are
-  raised at once, because only the caller (re-read, re-list, report) can fix those;
+  raised at once, because only the caller (re-read, re-list, report) can fix those. Every error carries the
+  verb, resource and namespace of the failed request (``KubeError.for_request``), so a 403 can name the
+  missing permission;
 * Prometheus metrics: requests by verb, resource and code (409 and 429 visible), latency, retries,
   rate-limiter waits.
 
@@ -30,10 +32,10 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeAlias, TypeVar, overload
+from typing import Any, TypeAlias
 from urllib.parse import quote
 
 import aiohttp
@@ -59,7 +61,6 @@ __all__ = [
     "DAEMONSETS",
     "DEVICE_CLASSES",
     "EVENTS",
-    "EVENTS_V1",
     "LEASES",
     "NAMESPACES",
     "NODES",
@@ -69,7 +70,6 @@ __all__ = [
     "RESOURCE_CLAIM_TEMPLATES",
     "RESOURCE_SLICES",
     "ClientConfig",
-    "Decoder",
     "KubeClient",
     "ObjectList",
     "Raw",
@@ -80,8 +80,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Raw: TypeAlias = dict[str, Any]
-T = TypeVar("T")
-Decoder: TypeAlias = Callable[[Raw], T]
 
 # --------------------------------------------------------------------------------------------------------
 # Resource registry
@@ -100,6 +98,11 @@ class Resource:
     @property
     def api_version(self) -> str:
         return f"{self.group}/{self.version}" if self.group else self.version
+
+    @property
+    def qualified(self) -> str:
+        """``plural.group`` as RBAC rules and error messages spell it (``pods`` for the core group)."""
+        return f"{self.plural}.{self.group}" if self.group else self.plural
 
     def path(self, *, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
         """The URL path; a namespaced resource without ``namespace`` means "all namespaces" (list/watch)."""
@@ -124,7 +127,6 @@ PODS = Resource("", "v1", "pods", True, "Pod")
 NODES = Resource("", "v1", "nodes", False, "Node")
 NAMESPACES = Resource("", "v1", "namespaces", False, "Namespace")
 EVENTS = Resource("", "v1", "events", True, "Event")
-EVENTS_V1 = Resource("events.k8s.io", "v1", "events", True, "Event")
 LEASES = Resource("coordination.k8s.io", "v1", "leases", True, "Lease")
 DAEMONSETS = Resource("apps", "v1", "daemonsets", True, "DaemonSet")
 NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies", True, "NetworkPolicy")
@@ -185,10 +187,10 @@ RATE_LIMIT_WAIT = Histogram(
 
 
 @dataclass(frozen=True, slots=True)
-class ObjectList(Generic[T]):
+class ObjectList:
     """One page (or, from ``list_all``, every page) of a list, with the list's resourceVersion."""
 
-    items: list[T]
+    items: list[Raw]
     resource_version: str
     continue_token: str | None = None
 
@@ -235,7 +237,6 @@ _JSON = "application/json"
 _OBJECT_BODY = "application/yaml"
 _MERGE_PATCH = "application/merge-patch+json"
 _JSON_PATCH = "application/json-patch+json"
-_APPLY_PATCH = "application/apply-patch+yaml"
 
 Query: TypeAlias = list[tuple[str, str]]
 
@@ -244,8 +245,7 @@ def _list_query(
     *,
     label_selector: str | None,
     field_selector: str | None,
-    resource_version: str | None,
-    resource_version_match: str | None = None,
+    resource_version: str | None = None,
     limit: int | None = None,
     continue_token: str | None = None,
 ) -> Query:
@@ -256,8 +256,6 @@ def _list_query(
         q.append(("fieldSelector", field_selector))
     if resource_version is not None:
         q.append(("resourceVersion", resource_version))
-    if resource_version_match:
-        q.append(("resourceVersionMatch", resource_version_match))
     if limit:
         q.append(("limit", str(limit)))
     if continue_token:
@@ -267,10 +265,6 @@ def _list_query(
 
 def _default_kubeconfig() -> str:
     return str(Path.home() / ".kube" / "config")
-
-
-def _identity(raw: Raw) -> Raw:
-    return raw
 
 
 def _name_ns(resource: Resource, body: Mapping[str, Any], namespace: str | None) -> tuple[str, str | None]:
@@ -363,44 +357,53 @@ class KubeClient:
         elapsed = rs.seconds_since_start or 0.0
         return elapsed + rs.upcoming_sleep > self.config.deadline
 
-    async def _request(
+    async def _call(
         self,
         method: str,
-        path: str,
+        resource: Resource,
         *,
         verb: str,
-        resource: str,
+        namespace: str | None = None,
+        name: str | None = None,
+        subresource: str | None = None,
         query: Query | None = None,
         body: Any = None,
         content_type: str = _JSON,
-        attempt_timeout: float | None = None,
-    ) -> bytes:
+    ) -> Raw:
+        """One API call with the call-level retries; the decoded JSON object. Errors carry the request."""
+        path = resource.path(namespace=namespace, name=name, subresource=subresource)
         retrying = AsyncRetrying(
             retry=retry_if_exception_type((Transient, TooManyRequests)),
             wait=self._backoff,
             stop=self._stop,
             sleep=self._clock.sleep,
             reraise=True,
-            before_sleep=lambda rs: self._log_retry(rs, verb=verb, resource=resource, path=path),
+            before_sleep=lambda rs: self._log_retry(rs, verb=verb, resource=resource.plural, path=path),
         )
-        async for attempt in retrying:
-            with attempt:
-                return await self._attempt(
-                    method,
-                    path,
-                    verb=verb,
-                    resource=resource,
-                    query=query,
-                    body=body,
-                    content_type=content_type,
-                    attempt_timeout=attempt_timeout or self.config.timeout,
-                )
-        raise AssertionError("unreachable: tenacity either returns or re-raises")  # pragma: no cover
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    data = await self._attempt(
+                        method,
+                        path,
+                        verb=verb,
+                        resource=resource.plural,
+                        query=query,
+                        body=body,
+                        content_type=content_type,
+                    )
+        except KubeError as exc:
+            exc.for_request(verb, resource.qualified, namespace)
+            raise
+        decoded = json.loads(data) if data else {}
+        if not isinstance(decoded, dict):
+            raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded).__name__}")
+        return decoded
 
     def _log_retry(self, rs: RetryCallState, *, verb: str, resource: str, path: str) -> None:
         exc = rs.outcome.exception() if rs.outcome is not None else None
         API_RETRIES.labels(verb, resource, type(exc).__name__).inc()
-        log.info(
+        log.debug(
             "kube api retry verb=%s path=%s attempt=%d sleep=%.3fs error=%r",
             verb,
             path,
@@ -451,10 +454,9 @@ class KubeClient:
         query: Query | None,
         body: Any,
         content_type: str,
-        attempt_timeout: float,
     ) -> bytes:
         await self._throttle()
-        timeout = attempt_timeout
+        timeout = self.config.timeout
         code = "error"
         start = time.perf_counter()
         try:
@@ -485,50 +487,12 @@ class KubeClient:
             API_REQUESTS.labels(verb, resource, code).inc()
             API_LATENCY.labels(verb, resource).observe(time.perf_counter() - start)
 
-    async def _json(
-        self,
-        method: str,
-        path: str,
-        *,
-        verb: str,
-        resource: Resource,
-        query: Query | None = None,
-        body: Any = None,
-        content_type: str = _JSON,
-    ) -> Raw:
-        data = await self._request(
-            method,
-            path,
-            verb=verb,
-            resource=resource.plural,
-            query=query,
-            body=body,
-            content_type=content_type,
-        )
-        decoded = json.loads(data) if data else {}
-        if not isinstance(decoded, dict):
-            raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded).__name__}")
-        return decoded
-
     # ---- reads ---------------------------------------------------------------------------------------
 
-    @overload
-    async def get(self, resource: Resource, name: str, *, namespace: str | None = None) -> Raw: ...
-    @overload
-    async def get(self, resource: Resource, name: str, *, namespace: str | None = None, decode: Decoder[T]) -> T: ...
-    async def get(
-        self,
-        resource: Resource,
-        name: str,
-        *,
-        namespace: str | None = None,
-        decode: Callable[[Raw], Any] = _identity,
-    ) -> Any:
+    async def get(self, resource: Resource, name: str, *, namespace: str | None = None) -> Raw:
         """GET one object; ``NotFound`` if it does not exist."""
-        path = resource.path(namespace=namespace, name=name)
-        return decode(await self._json("GET", path, verb="get", resource=resource))
+        return await self._call("GET", resource, verb="get", namespace=namespace, name=name)
 
-    @overload
     async def list(
         self,
         resource: Resource,
@@ -536,57 +500,25 @@ class KubeClient:
         namespace: str | None = None,
         label_selector: str | None = None,
         field_selector: str | None = None,
-        resource_version: str | None = None,
-        resource_version_match: str | None = None,
         limit: int | None = None,
         continue_token: str | None = None,
-    ) -> ObjectList[Raw]: ...
-    @overload
-    async def list(
-        self,
-        resource: Resource,
-        *,
-        namespace: str | None = None,
-        label_selector: str | None = None,
-        field_selector: str | None = None,
-        resource_version: str | None = None,
-        resource_version_match: str | None = None,
-        limit: int | None = None,
-        continue_token: str | None = None,
-        decode: Decoder[T],
-    ) -> ObjectList[T]: ...
-    async def list(
-        self,
-        resource: Resource,
-        *,
-        namespace: str | None = None,
-        label_selector: str | None = None,
-        field_selector: str | None = None,
-        resource_version: str | None = None,
-        resource_version_match: str | None = None,
-        limit: int | None = None,
-        continue_token: str | None = None,
-        decode: Callable[[Raw], Any] = _identity,
-    ) -> ObjectList[Any]:
+    ) -> ObjectList:
         """One page of a list. An expired ``continue_token`` raises ``Gone``: start the list again."""
         query = _list_query(
             label_selector=label_selector,
             field_selector=field_selector,
-            resource_version=resource_version,
-            resource_version_match=resource_version_match,
             limit=limit,
             continue_token=continue_token,
         )
-        raw = await self._json("GET", resource.path(namespace=namespace), verb="list", resource=resource, query=query)
+        raw = await self._call("GET", resource, verb="list", namespace=namespace, query=query)
         meta = raw.get("metadata") or {}
         items = raw.get("items") or []
         return ObjectList(
-            items=[decode(i) for i in items],
+            items=list(items),
             resource_version=str(meta.get("resourceVersion") or ""),
             continue_token=meta.get("continue") or None,
         )
 
-    @overload
     async def list_all(
         self,
         resource: Resource,
@@ -595,30 +527,9 @@ class KubeClient:
         label_selector: str | None = None,
         field_selector: str | None = None,
         page_size: int = 500,
-    ) -> ObjectList[Raw]: ...
-    @overload
-    async def list_all(
-        self,
-        resource: Resource,
-        *,
-        namespace: str | None = None,
-        label_selector: str | None = None,
-        field_selector: str | None = None,
-        page_size: int = 500,
-        decode: Decoder[T],
-    ) -> ObjectList[T]: ...
-    async def list_all(
-        self,
-        resource: Resource,
-        *,
-        namespace: str | None = None,
-        label_selector: str | None = None,
-        field_selector: str | None = None,
-        page_size: int = 500,
-        decode: Callable[[Raw], Any] = _identity,
-    ) -> ObjectList[Any]:
+    ) -> ObjectList:
         """A consistent (quorum) list, paginated; the result carries the first page's resourceVersion."""
-        items: list[Any] = []
+        items: list[Raw] = []
         token: str | None = None
         rv = ""
         while True:
@@ -629,7 +540,6 @@ class KubeClient:
                 field_selector=field_selector,
                 limit=page_size,
                 continue_token=token,
-                decode=decode,
             )
             items.extend(page.items)
             rv = rv or page.resource_version
@@ -639,40 +549,16 @@ class KubeClient:
 
     # ---- writes --------------------------------------------------------------------------------------
 
-    def _write_query(self, *, dry_run: bool = False, field_manager: str | None = None) -> Query:
-        q: Query = [("fieldManager", field_manager or self.config.field_manager)]
-        if dry_run:
-            q.append(("dryRun", "All"))
-        return q
+    def _write_query(self) -> Query:
+        return [("fieldManager", self.config.field_manager)]
 
-    @overload
-    async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw: ...
-    @overload
-    async def create(
-        self,
-        resource: Resource,
-        body: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        decode: Decoder[T],
-    ) -> T: ...
-    async def create(
-        self,
-        resource: Resource,
-        body: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        decode: Callable[[Raw], Any] = _identity,
-    ) -> Any:
+    async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
         """POST a new object; ``AlreadyExists`` if the name is taken (also after a retried lost response)."""
         _, ns = _name_ns(resource, body, namespace)
-        path = resource.path(namespace=ns)
-        out = await self._json(
-            "POST", path, verb="create", resource=resource, query=self._write_query(), body=dict(body)
+        return await self._call(
+            "POST", resource, verb="create", namespace=ns, query=self._write_query(), body=dict(body)
         )
-        return decode(out)
 
-    @overload
     async def replace(
         self,
         resource: Resource,
@@ -680,198 +566,61 @@ class KubeClient:
         *,
         namespace: str | None = None,
         subresource: str | None = None,
-    ) -> Raw: ...
-    @overload
-    async def replace(
-        self,
-        resource: Resource,
-        body: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-        decode: Decoder[T],
-    ) -> T: ...
-    async def replace(
-        self,
-        resource: Resource,
-        body: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-        decode: Callable[[Raw], Any] = _identity,
-    ) -> Any:
+    ) -> Raw:
         """PUT the whole object (or ``subresource``, e.g. ``status``).
 
         Optimistic concurrency: the apiserver compares ``metadata.resourceVersion`` from ``body`` and raises
         ``Conflict`` when it is stale. Always send the version you read.
         """
         name, ns = _name_ns(resource, body, namespace)
-        path = resource.path(namespace=ns, name=name, subresource=subresource)
-        out = await self._json(
-            "PUT", path, verb="update", resource=resource, query=self._write_query(), body=dict(body)
-        )
-        return decode(out)
-
-    async def replace_status(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
-        """PUT the ``status`` subresource (``Conflict`` on a stale resourceVersion)."""
-        return await self.replace(resource, body, namespace=namespace, subresource="status")
-
-    async def _patch(
-        self,
-        resource: Resource,
-        name: str,
-        patch: Any,
-        *,
-        namespace: str | None,
-        subresource: str | None,
-        content_type: str,
-        query: Query,
-    ) -> Raw:
-        path = resource.path(namespace=namespace, name=name, subresource=subresource)
-        verb = "apply" if content_type == _APPLY_PATCH else "patch"
-        return await self._json(
-            "PATCH", path, verb=verb, resource=resource, query=query, body=patch, content_type=content_type
-        )
-
-    @overload
-    async def merge_patch(
-        self,
-        resource: Resource,
-        name: str,
-        patch: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-    ) -> Raw: ...
-    @overload
-    async def merge_patch(
-        self,
-        resource: Resource,
-        name: str,
-        patch: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-        decode: Decoder[T],
-    ) -> T: ...
-    async def merge_patch(
-        self,
-        resource: Resource,
-        name: str,
-        patch: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-        decode: Callable[[Raw], Any] = _identity,
-    ) -> Any:
-        """JSON merge patch (RFC 7386); a ``metadata.resourceVersion`` in the patch makes it conditional."""
-        out = await self._patch(
+        return await self._call(
+            "PUT",
             resource,
-            name,
-            dict(patch),
-            namespace=namespace,
-            subresource=subresource,
-            content_type=_MERGE_PATCH,
-            query=self._write_query(),
-        )
-        return decode(out)
-
-    @overload
-    async def json_patch(
-        self,
-        resource: Resource,
-        name: str,
-        ops: Sequence[Mapping[str, Any]],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-    ) -> Raw: ...
-    @overload
-    async def json_patch(
-        self,
-        resource: Resource,
-        name: str,
-        ops: Sequence[Mapping[str, Any]],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-        decode: Decoder[T],
-    ) -> T: ...
-    async def json_patch(
-        self,
-        resource: Resource,
-        name: str,
-        ops: Sequence[Mapping[str, Any]],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-        decode: Callable[[Raw], Any] = _identity,
-    ) -> Any:
-        """JSON patch (RFC 6902). A leading ``{"op": "test", "path": "/metadata/resourceVersion", ...}``
-        makes it conditional (a failed test is a 422 ``Invalid``, not a 409)."""
-        out = await self._patch(
-            resource,
-            name,
-            [dict(op) for op in ops],
-            namespace=namespace,
-            subresource=subresource,
-            content_type=_JSON_PATCH,
-            query=self._write_query(),
-        )
-        return decode(out)
-
-    @overload
-    async def apply(
-        self,
-        resource: Resource,
-        body: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        field_manager: str | None = None,
-        force: bool = False,
-        subresource: str | None = None,
-    ) -> Raw: ...
-    @overload
-    async def apply(
-        self,
-        resource: Resource,
-        body: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        field_manager: str | None = None,
-        force: bool = False,
-        subresource: str | None = None,
-        decode: Decoder[T],
-    ) -> T: ...
-    async def apply(
-        self,
-        resource: Resource,
-        body: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        field_manager: str | None = None,
-        force: bool = False,
-        subresource: str | None = None,
-        decode: Callable[[Raw], Any] = _identity,
-    ) -> Any:
-        """Server-side apply of ``body`` (must carry apiVersion, kind, metadata.name) as ``field_manager``.
-
-        A field owned by another manager raises ``Conflict`` unless ``force``.
-        """
-        name, ns = _name_ns(resource, body, namespace)
-        query = self._write_query(field_manager=field_manager)
-        if force:
-            query.append(("force", "true"))
-        out = await self._patch(
-            resource,
-            name,
-            dict(body),
+            verb="update",
             namespace=ns,
+            name=name,
             subresource=subresource,
-            content_type=_APPLY_PATCH,
-            query=query,
+            query=self._write_query(),
+            body=dict(body),
         )
-        return decode(out)
+
+    async def merge_patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+    ) -> Raw:
+        """JSON merge patch (RFC 7386); a ``metadata.resourceVersion`` in the patch makes it conditional."""
+        return await self._call(
+            "PATCH",
+            resource,
+            verb="patch",
+            namespace=namespace,
+            name=name,
+            subresource=subresource,
+            query=self._write_query(),
+            body=dict(patch),
+            content_type=_MERGE_PATCH,
+        )
+
+    async def json_patch(
+        self, resource: Resource, name: str, ops: Sequence[Mapping[str, Any]], *, namespace: str | None = None
+    ) -> Raw:
+        """JSON patch (RFC 6902). A leading ``{"op": "test", ...}`` makes it conditional (a failed test is a
+        422 ``Invalid``, not a 409)."""
+        return await self._call(
+            "PATCH",
+            resource,
+            verb="patch",
+            namespace=namespace,
+            name=name,
+            query=self._write_query(),
+            body=[dict(op) for op in ops],
+            content_type=_JSON_PATCH,
+        )
 
     async def delete(
         self,
@@ -880,29 +629,22 @@ class KubeClient:
         *,
         namespace: str | None = None,
         uid: str | None = None,
-        resource_version: str | None = None,
         propagation_policy: str | None = None,
         grace_period_seconds: int | None = None,
     ) -> Raw:
-        """DELETE; ``uid``/``resource_version`` are preconditions (``Conflict`` when they do not match).
+        """DELETE; ``uid`` is a precondition (``Conflict`` when it does not match).
 
         Returns the apiserver's answer: the object (still there with a deletionTimestamp while finalizers
         hold it) or a Status. ``NotFound`` when already gone: callers that only want it gone ignore that.
         """
         options: Raw = {"apiVersion": "v1", "kind": "DeleteOptions"}
-        preconditions: Raw = {}
         if uid:
-            preconditions["uid"] = uid
-        if resource_version:
-            preconditions["resourceVersion"] = resource_version
-        if preconditions:
-            options["preconditions"] = preconditions
+            options["preconditions"] = {"uid": uid}
         if propagation_policy:
             options["propagationPolicy"] = propagation_policy
         if grace_period_seconds is not None:
             options["gracePeriodSeconds"] = grace_period_seconds
-        path = resource.path(namespace=namespace, name=name)
-        return await self._json("DELETE", path, verb="delete", resource=resource, body=options)
+        return await self._call("DELETE", resource, verb="delete", namespace=namespace, name=name, body=options)
 
     # ---- watch ---------------------------------------------------------------------------------------
 
@@ -958,7 +700,8 @@ class KubeClient:
         try:
             if resp.status >= 400:
                 data = await resp.read()
-                raise error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
+                error = error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
+                raise error.for_request("watch", resource.qualified, namespace)
             buf = bytearray()
             async for chunk in resp.content.iter_any():
                 buf += chunk

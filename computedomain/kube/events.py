@@ -203,7 +203,6 @@ class EventSink(Protocol):
         patch: Mapping[str, Any],
         *,
         namespace: str | None = None,
-        subresource: str | None = None,
     ) -> Raw: ...
 
 

@@ -19,7 +19,7 @@ class KubeClaimReader:
 
     async def get_claim(self, namespace: str, name: str) -> ClaimSnapshot:
         try:
-            return await self._client.get(RESOURCE_CLAIMS, name, namespace=namespace, decode=ClaimSnapshot.from_raw)
+            return ClaimSnapshot.from_raw(await self._client.get(RESOURCE_CLAIMS, name, namespace=namespace))
         except NotFound:
             raise ClaimNotFoundError(f"ResourceClaim {namespace}/{name} does not exist") from None
 

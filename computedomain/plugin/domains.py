@@ -76,8 +76,8 @@ class DomainCache:
             raise RetryableError("the ComputeDomain cache has not synced yet")
         cd = self.lookup(uid)
         if cd is None:
-            listed = await self._client.list_all(COMPUTE_DOMAINS, decode=_decode_cd)
-            cd = next((c for c in listed.items if c.metadata.uid == uid), None)
+            listed = await self._client.list_all(COMPUTE_DOMAINS)
+            cd = next((_decode_cd(c) for c in listed.items if (c.get("metadata") or {}).get("uid") == uid), None)
         return _info(cd) if cd is not None and cd.metadata.deletion_timestamp is None else None
 
     def known_uids(self) -> set[str]:

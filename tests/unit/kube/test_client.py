@@ -15,6 +15,7 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from computedomain.kube import errors
 from computedomain.kube.client import (
     COMPUTE_DOMAINS,
+    DAEMONSETS,
     NODES,
     PODS,
     ClientConfig,
@@ -70,7 +71,7 @@ async def test_paths_queries_and_content_types(api: tuple[FakeAPI, KubeClient]) 
     await client.get(PODS, "p", namespace="ns")
     await client.list(COMPUTE_DOMAINS, label_selector="a=b,c in (d)", limit=10)
     await client.merge_patch(NODES, "n1", {"metadata": {"labels": {"x": None}}})
-    await client.apply(COMPUTE_DOMAINS, {"metadata": {"name": "cd", "namespace": "ns"}}, force=True)
+    await client.replace(COMPUTE_DOMAINS, {"metadata": {"name": "cd", "namespace": "ns"}}, subresource="status")
     await client.delete(PODS, "p", namespace="ns", uid="u1", propagation_policy="Background")
     methods = [(m, p) for m, p, _, _ in fake.requests]
     assert methods[0] == ("GET", "/api/v1/namespaces/ns/pods/p")
@@ -81,10 +82,10 @@ async def test_paths_queries_and_content_types(api: tuple[FakeAPI, KubeClient]) 
     assert fake.requests[2][2] == "application/merge-patch+json"
     assert json.loads(fake.requests[2][3]) == {"metadata": {"labels": {"x": None}}}
     assert methods[3] == (
-        "PATCH",
-        "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains/cd?fieldManager=computedomain&force=true",
+        "PUT",
+        "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains/cd/status?fieldManager=computedomain",
     )
-    assert fake.requests[3][2] == "application/apply-patch+yaml"
+    assert fake.requests[3][2] == "application/yaml"
     assert methods[4] == ("DELETE", "/api/v1/namespaces/ns/pods/p")
     assert json.loads(fake.requests[4][3])["preconditions"] == {"uid": "u1"}
 
@@ -105,16 +106,41 @@ async def test_retries_run_out_with_the_last_error(api: tuple[FakeAPI, KubeClien
     assert len(fake.requests) == 4
 
 
+class RecordingClock:
+    """Time that never waits: it records what the client asked to sleep."""
+
+    def __init__(self) -> None:
+        self.slept: list[float] = []
+
+    def now(self) -> float:
+        return sum(self.slept)
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
 async def test_too_many_requests_honours_retry_after(api: tuple[FakeAPI, KubeClient]) -> None:
     fake, client = api
+    clock = RecordingClock()
+    client._clock = clock
     throttled = status(429, "TooManyRequests", "APF")
     throttled.headers["Retry-After"] = "1"
     fake.responses = [throttled]
-    loop_time = __import__("asyncio").get_running_loop().time
-    start = loop_time()
     await client.get(PODS, "p", namespace="ns")
-    assert loop_time() - start >= 1.0
+    assert len(clock.slept) == 1
+    assert clock.slept[0] >= 1.0, "the retry must wait at least Retry-After"
     assert len(fake.requests) == 2
+
+
+async def test_errors_name_the_request_that_failed(api: tuple[FakeAPI, KubeClient]) -> None:
+    fake, client = api
+    fake.responses = [status(403, "Forbidden", 'daemonsets.apps is forbidden: User "x" cannot create ...')]
+    with pytest.raises(errors.Forbidden) as caught:
+        await client.create(DAEMONSETS, {"metadata": {"name": "d"}}, namespace="drv")
+    err = caught.value
+    assert (err.verb, err.resource, err.namespace) == ("create", "daemonsets.apps", "drv")
+    assert err.permanent
+    assert "may not create daemonsets.apps in namespace drv" in errors.explain(err)
 
 
 async def test_retry_after_longer_than_the_deadline_is_raised_to_the_caller(api: tuple[FakeAPI, KubeClient]) -> None:
