@@ -39,9 +39,9 @@ from computedomain.controller.caches import Caches
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
 from computedomain.http import start_http
 from computedomain.kube.client import ClientConfig, KubeClient
+from computedomain.kube.converge import Converger
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
-from computedomain.kube.workqueue import WorkQueue, run_workers
 from computedomain.settings import ControllerSettings, describe
 
 log = logging.getLogger("computedomain.controller")
@@ -130,7 +130,7 @@ class Controller:
         self.recorder = EventRecorder(client, component="computedomain-controller", instance=self.identity)
         self.ready = False
         self.leading = False
-        self.queue: WorkQueue[str] | None = None
+        self.loop: Converger[str] | None = None
         self.sweeper: Sweeper | None = None
 
     async def run(self) -> None:
@@ -174,28 +174,27 @@ class Controller:
     async def _lead(self) -> None:
         self.leading = True
         log.info("leading identity=%s mode=%s", self.identity, self.settings.imex_mode.value)
-        queue: WorkQueue[str] = WorkQueue(QUEUE_NAME)
         writer = Writer(self.client, self.caches, self.recorder)
         sweeper = Sweeper(writer, period=self.sweep_period)
-        self.queue, self.sweeper = queue, sweeper
         caches = self.caches
-
-        def on_uid(uid: str) -> None:
-            if caches.cd(uid) is not None:
-                queue.add(uid)
-            else:
-                sweeper.request()  # labelled for a domain we do not know: maybe an orphan
-
         reconciler = Reconciler(
             self.client, caches, self.settings, recorder=self.recorder, after_reconcile=sweeper.request
         )
+        loop: Converger[str] = Converger(QUEUE_NAME, reconciler.reconcile, workers=self.workers)
+        self.loop, self.sweeper = loop, sweeper
+
+        def on_uid(uid: str) -> None:
+            if caches.cd(uid) is not None:
+                loop.add(uid)
+            else:
+                sweeper.request()  # labelled for a domain we do not know: maybe an orphan
+
         caches.add_handlers(on_uid)  # replays every cached object: every domain gets reconciled once
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(sweeper.run(), name="orphan-sweeper")
-                tg.create_task(run_workers(queue, reconciler.reconcile, workers=self.workers), name="workers")
+                tg.create_task(loop.run(), name="workers")
         finally:
-            queue.shutdown()
             self.leading = False
 
 

@@ -56,9 +56,9 @@ from computedomain.kube.client import (
     Raw,
     Resource,
 )
+from computedomain.kube.converge import DONE, ReconcileResult, RequeueAfter
 from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
-from computedomain.kube.workqueue import DONE, ReconcileResult, RequeueAfter
 from computedomain.settings import ControllerSettings
 
 log = logging.getLogger(__name__)

@@ -1,33 +1,23 @@
-"""A keyed work queue and the workers that drain it (the client-go workqueue semantics, for asyncio).
+"""A keyed work queue (the client-go workqueue semantics, for asyncio); ``converge`` runs the workers.
 
-What it owns:
+What it owns: a set of keys that need work.
 
-* ``WorkQueue[K]``: a set of keys that need reconciling.
+- **Dedupe**: adding a key that is already waiting is a no-op; a burst of events for one object becomes one
+  run.
+- **One at a time per key**: a key handed out by ``get()`` is "processing" until ``done(key)``. Adding it
+  meanwhile marks it dirty, and ``done`` puts it back, so the change is seen by exactly one more run and
+  never by two concurrent runs.
+- **Delays**: ``add_after(key, s)`` (the earliest pending time wins), ``add_rate_limited(key)`` (failure
+  backoff: per-key exponential with jitter, capped, combined with a global token bucket so that many failing
+  keys cannot retry in a storm; ``forget(key)`` resets it) and ``hold(key, until)`` (adds before ``until``
+  are deferred to it and coalesce into one run).
+- ``shutdown()``: ``get()`` raises ``QueueShutDown`` from then on; items still queued are dropped (the next
+  process re-lists and re-enqueues everything anyway).
+- Metrics per queue name: depth, adds, queue latency (add -> get), work duration (get -> done), retries.
 
-  - **Dedupe**: adding a key that is already waiting is a no-op; a burst of events for one object becomes one
-    reconcile.
-  - **One at a time per key**: a key handed out by ``get()`` is "processing" until ``done(key)``. Adding it
-    meanwhile marks it dirty, and ``done`` puts it back, so the change is seen by exactly one more run and
-    never by two concurrent runs.
-  - **Delays**: ``add_after(key, s)`` (requeue-after; the earliest pending time wins) and
-    ``add_rate_limited(key)`` (failure backoff: per-key exponential ``base * 2**n`` with jitter, capped,
-    combined with a global token bucket so that many failing keys cannot retry in a storm). ``forget(key)``
-    resets a key's backoff after a success.
-  - ``shutdown()``: ``get()`` raises ``QueueShutDown`` from then on; items still queued are dropped (the next
-    process re-lists and re-enqueues everything anyway).
-
-* ``run_workers(queue, reconcile, workers=N)``: N tasks calling ``reconcile(key)``; the result decides what
-  happens to the key (controller-runtime's contract): ``None``/``DONE`` -> forget; ``RequeueAfter(s)`` ->
-  forget, then ``add_after(s)``; ``PermanentError`` -> forget and log, no retry; any other exception ->
-  ``add_rate_limited`` (``TooManyRequests`` waits at least its ``Retry-After``).
-
-* Metrics per queue name: depth, adds, queue latency (add -> get), work duration (get -> done), retries,
-  and reconcile results/latency.
-
-Concurrency: everything runs on one event loop. The queue's methods except ``get`` are synchronous, so
-handlers (informer callbacks) can enqueue without awaiting. ``get`` waits on an ``asyncio.Event`` that every
-state change sets, or until the earliest delayed key is due, measured by the injectable ``Clock``. Parallelism
-between different keys is bounded by the number of workers.
+Concurrency: everything runs on one event loop. The methods except ``get`` are synchronous, so handlers
+(informer callbacks) can enqueue without awaiting. ``get`` waits on an ``asyncio.Event`` that every state
+change sets, or until the earliest delayed key is due, measured by the injectable ``Clock``.
 """
 
 from __future__ import annotations
@@ -37,26 +27,16 @@ import heapq
 import itertools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeAlias, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from computedomain.kube.clock import Clock, MonotonicClock
-from computedomain.kube.errors import KubeError, TooManyRequests
 from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
 
-__all__ = [
-    "DONE",
-    "Done",
-    "PermanentError",
-    "QueueShutDown",
-    "ReconcileResult",
-    "RequeueAfter",
-    "WorkQueue",
-    "run_workers",
-]
+__all__ = ["DONE", "Done", "QueueShutDown", "ReconcileResult", "RequeueAfter", "WorkQueue"]
 
 log = logging.getLogger(__name__)
 
@@ -79,38 +59,20 @@ WORK_DURATION = Histogram(
     buckets=_DURATION_BUCKETS,
 )
 QUEUE_RETRIES = Counter("computedomain_workqueue_retries_total", "Rate-limited re-adds (failures).", ["name"])
-RECONCILE_TOTAL = Counter(
-    "computedomain_reconcile_total",
-    "Reconcile calls by result (success, requeue_after, error, permanent_error).",
-    ["name", "result"],
-)
-RECONCILE_TIME = Histogram(
-    "computedomain_reconcile_time_seconds",
-    "Reconcile latency by result.",
-    ["name", "result"],
-    buckets=_DURATION_BUCKETS,
-)
 
 
 class QueueShutDown(Exception):  # noqa: N818 (mirrors asyncio.QueueShutDown)
     """Raised by ``WorkQueue.get`` once the queue is shut down."""
 
 
-class PermanentError(Exception):
-    """Raised by a reconcile to say "retrying cannot help": logged and counted, never retried.
-
-    The key is processed again only when something adds it again (an informer event).
-    """
-
-
 @dataclass(frozen=True, slots=True)
 class Done:
-    """Reconcile finished; nothing to do until the next event."""
+    """A reconcile finished; nothing to do until the next event."""
 
 
 @dataclass(frozen=True, slots=True)
 class RequeueAfter:
-    """Reconcile finished but wants to look again after ``seconds`` (not a failure: no backoff growth)."""
+    """A reconcile finished but wants to look again after ``seconds`` (not a failure: no backoff growth)."""
 
     seconds: float
 
@@ -144,6 +106,7 @@ class WorkQueue(Generic[K]):
         self._waiting: dict[K, float] = {}
         self._heap: list[tuple[float, int, K]] = []
         self._seq = itertools.count()
+        self._held: dict[K, float] = {}
         self._changed = asyncio.Event()
         self._shutting_down = False
         self._depth = QUEUE_DEPTH.labels(name)
@@ -158,6 +121,13 @@ class WorkQueue(Generic[K]):
         """Mark ``key`` as needing work now. No-op if already queued; deferred if being processed."""
         if self._shutting_down or key in self._dirty:
             return
+        held = self._held.get(key)
+        if held is not None:
+            wait = held - self._clock.now()
+            if wait > 0:
+                self.add_after(key, wait)
+                return
+            del self._held[key]
         self._dirty.add(key)
         self._adds.inc()
         if key in self._processing:
@@ -189,6 +159,10 @@ class WorkQueue(Generic[K]):
     def forget(self, key: K) -> None:
         """Reset ``key``'s failure backoff (call after a success)."""
         self._backoff.forget(key)
+
+    def hold(self, key: K, until: float) -> None:
+        """Defer adds of ``key`` until the clock reaches ``until``; they coalesce into one run then."""
+        self._held[key] = until
 
     def num_requeues(self, key: K) -> int:
         return self._backoff.failures(key)
@@ -232,10 +206,6 @@ class WorkQueue(Generic[K]):
     @property
     def clock(self) -> Clock:
         return self._clock
-
-    @property
-    def shutting_down(self) -> bool:
-        return self._shutting_down
 
     def __len__(self) -> int:
         """Keys ready now (what ``depth`` reports), including delayed keys that have come due."""
@@ -291,80 +261,3 @@ class WorkQueue(Generic[K]):
             for t in (changed, slept):
                 if not t.done():
                     t.cancel()
-
-
-Reconciler: TypeAlias = Callable[[K], Awaitable[ReconcileResult]]
-
-
-async def run_workers(
-    queue: WorkQueue[K],
-    reconcile: Callable[[K], Awaitable[ReconcileResult]],
-    *,
-    workers: int = 4,
-    reconcile_timeout: float | None = None,
-) -> None:
-    """Run ``workers`` tasks that feed ``queue``'s keys to ``reconcile`` until the queue shuts down.
-
-    Cancelling ``run_workers`` cancels in-flight reconciles (their keys are marked done). A reconcile that
-    exceeds ``reconcile_timeout`` is cancelled and treated as a failure (backoff).
-    """
-    async with asyncio.TaskGroup() as tg:
-        for i in range(max(1, workers)):
-            tg.create_task(_worker(queue, reconcile, reconcile_timeout), name=f"{queue.name}-worker-{i}")
-
-
-async def _worker(
-    queue: WorkQueue[K],
-    reconcile: Callable[[K], Awaitable[ReconcileResult]],
-    reconcile_timeout: float | None,
-) -> None:
-    clock = queue.clock
-    while True:
-        try:
-            key = await queue.get()
-        except QueueShutDown:
-            return
-        start = clock.now()
-        result_label = "cancelled"  # unless one of the branches below says otherwise
-        try:
-            async with asyncio.timeout(reconcile_timeout):
-                result = await reconcile(key)
-        except PermanentError as exc:
-            result_label = "permanent_error"
-            queue.forget(key)
-            log.error("reconcile failed permanently queue=%s key=%s error=%s", queue.name, key, exc)
-        except Exception as exc:
-            result_label = "error"
-            at_least = (exc.retry_after or 0.0) if isinstance(exc, TooManyRequests) else 0.0
-            delay = queue.add_rate_limited(key, at_least=at_least)
-            attempt = queue.num_requeues(key)
-            if isinstance(exc, KubeError | TimeoutError):
-                # Expected API weather (conflicts, throttling, timeouts): one line, no traceback.
-                log.info(
-                    "reconcile failed queue=%s key=%s attempt=%d retry_in=%.3fs error=%r",
-                    queue.name,
-                    key,
-                    attempt,
-                    delay,
-                    exc,
-                )
-            else:
-                log.warning(
-                    "reconcile failed queue=%s key=%s attempt=%d retry_in=%.3fs error=%r",
-                    queue.name,
-                    key,
-                    attempt,
-                    delay,
-                    exc,
-                    exc_info=exc,
-                )
-        else:
-            result_label = "success"
-            queue.forget(key)
-            if isinstance(result, RequeueAfter):
-                result_label = "requeue_after"
-                queue.add_after(key, result.seconds)
-        finally:
-            queue.done(key)
-            RECONCILE_TOTAL.labels(queue.name, result_label).inc()
-            RECONCILE_TIME.labels(queue.name, result_label).observe(max(0.0, clock.now() - start))

@@ -1,25 +1,16 @@
-"""Work queue semantics with fake time: dedupe, one-at-a-time per key, backoff, rate limit, delays, shutdown."""
+"""Work queue semantics with fake time: dedupe, one-at-a-time per key, backoff, rate limit, delays, holds,
+shutdown. The workers and escalation are tested in test_converge."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 
 import pytest
 
 from computedomain.kube.clock import FakeClock
-from computedomain.kube.errors import Conflict, TooManyRequests
 from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
-from computedomain.kube.workqueue import (
-    DONE,
-    PermanentError,
-    QueueShutDown,
-    ReconcileResult,
-    RequeueAfter,
-    WorkQueue,
-    run_workers,
-)
+from computedomain.kube.workqueue import QueueShutDown, WorkQueue
 
 pytestmark = pytest.mark.timeout(5)
 
@@ -64,39 +55,6 @@ async def test_key_added_while_processing_runs_again_after_done(clock: FakeClock
     assert await get_now(q) == "a"
     q.done("a")
     assert q.is_idle()
-
-
-async def test_workers_never_run_one_key_concurrently(clock: FakeClock) -> None:
-    q = make_queue(clock)
-    running: set[str] = set()
-    overlap: list[str] = []
-    calls: dict[str, int] = {}
-    release = asyncio.Event()
-
-    async def reconcile(key: str) -> ReconcileResult:
-        if key in running:
-            overlap.append(key)
-        running.add(key)
-        calls[key] = calls.get(key, 0) + 1
-        await release.wait()
-        running.discard(key)
-        return DONE
-
-    task = asyncio.create_task(run_workers(q, reconcile, workers=4))
-    q.add("a")
-    q.add("b")
-    await clock.settle()
-    assert running == {"a", "b"}
-    for _ in range(5):
-        q.add("a")  # all while "a" is in flight: collapse into one more run
-    await clock.settle()
-    assert calls == {"a": 1, "b": 1}
-    release.set()
-    await clock.settle()
-    assert not overlap
-    assert calls == {"a": 2, "b": 1}
-    q.shutdown()
-    await asyncio.wait_for(task, 1)
 
 
 async def test_backoff_grows_exponentially_and_resets_on_forget(clock: FakeClock) -> None:
@@ -197,132 +155,15 @@ async def test_shutdown_wakes_getters_and_stops_adds(clock: FakeClock) -> None:
         await get_now(q)
 
 
-async def test_queue_latency_and_requeue_after_via_workers(clock: FakeClock) -> None:
+async def test_hold_defers_adds_and_coalesces_them(clock: FakeClock) -> None:
     q = make_queue(clock)
-    seen: list[tuple[str, float]] = []
-
-    async def reconcile(key: str) -> ReconcileResult:
-        seen.append((key, clock.now()))
-        return RequeueAfter(60.0) if len(seen) < 3 else None
-
-    start = clock.now()
-    task = asyncio.create_task(run_workers(q, reconcile, workers=2))
-    q.add("cd")
-    await clock.settle()
-    await clock.advance(60.0)
-    await clock.advance(60.0)
-    await clock.advance(600.0)
-    assert [t - start for _, t in seen] == pytest.approx([0.0, 60.0, 120.0])
-    assert q.num_requeues("cd") == 0, "RequeueAfter is not a failure"
-    q.shutdown()
-    await asyncio.wait_for(task, 1)
-
-
-async def test_worker_error_backs_off_then_success_resets(clock: FakeClock) -> None:
-    q = make_queue(clock)
-    outcomes: list[Exception | None] = [Conflict("stale"), RuntimeError("boom"), RuntimeError("boom"), None]
-    times: list[float] = []
-
-    async def reconcile(key: str) -> ReconcileResult:
-        times.append(clock.now())
-        outcome = outcomes.pop(0)
-        if outcome is not None:
-            raise outcome
-        return DONE
-
-    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
-    q.add("k")
-    await clock.settle()
-    for _ in range(10):
-        await clock.advance(0.005)
-    assert len(times) == 4
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert gaps[0] == pytest.approx(0.005, abs=1e-6)
-    assert gaps[1] == pytest.approx(0.010, abs=1e-6)
-    assert gaps[2] == pytest.approx(0.020, abs=1e-6)
-    assert q.num_requeues("k") == 0
-    q.shutdown()
-    await asyncio.wait_for(task, 1)
-
-
-async def test_permanent_error_is_not_retried(clock: FakeClock) -> None:
-    q = make_queue(clock)
-    calls = 0
-
-    async def reconcile(key: str) -> ReconcileResult:
-        nonlocal calls
-        calls += 1
-        raise PermanentError("spec.channel.resourceClaimTemplate.name is taken by a foreign object")
-
-    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
-    q.add("k")
-    await clock.settle()
-    await clock.advance(3600.0)
-    assert calls == 1
-    assert q.is_idle()
-    q.add("k")  # a new event does run it again
-    await clock.settle()
-    assert calls == 2
-    q.shutdown()
-    await asyncio.wait_for(task, 1)
-
-
-async def test_too_many_requests_waits_at_least_retry_after(clock: FakeClock) -> None:
-    q = make_queue(clock)
-    times: list[float] = []
-
-    async def reconcile(key: str) -> ReconcileResult:
-        times.append(clock.now())
-        if len(times) == 1:
-            raise TooManyRequests("throttled", status=429, retry_after=30.0)
-        return DONE
-
-    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
-    q.add("k")
-    await clock.settle()
-    await clock.advance(29.0)
-    assert len(times) == 1
-    await clock.advance(1.5)
-    assert len(times) == 2
-    assert times[1] - times[0] == pytest.approx(30.0)
-    q.shutdown()
-    await asyncio.wait_for(task, 1)
-
-
-async def test_reconcile_timeout_counts_as_failure(clock: FakeClock) -> None:
-    q = make_queue(clock)
-    calls = 0
-
-    async def reconcile(key: str) -> ReconcileResult:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            await asyncio.sleep(10)  # real time: the timeout below is real time too
-        return DONE
-
-    task = asyncio.create_task(run_workers(q, reconcile, workers=1, reconcile_timeout=0.05))
-    q.add("k")
-    await asyncio.sleep(0.1)
-    assert q.num_requeues("k") == 1
-    await clock.advance(0.01)
-    assert calls == 2
-    q.shutdown()
-    await asyncio.wait_for(task, 1)
-
-
-async def test_cancelling_workers_marks_keys_done(clock: FakeClock) -> None:
-    q = make_queue(clock)
-    started = asyncio.Event()
-
-    async def reconcile(key: str) -> ReconcileResult:
-        started.set()
-        await asyncio.Event().wait()
-        return DONE
-
-    task = asyncio.create_task(run_workers(q, reconcile, workers=1))
-    q.add("k")
-    await asyncio.wait_for(started.wait(), 1)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert q.processing == frozenset()
+    q.hold("a", clock.now() + 1.0)
+    for _ in range(5):
+        q.add("a")
+    assert len(q) == 0, "adds before the hold ends wait for it"
+    await clock.advance(1.0)
+    assert len(q) == 1
+    assert await get_now(q) == "a"
+    q.done("a")
+    q.add("a")
+    assert len(q) == 1, "after the hold, adds are immediate again"
