@@ -19,6 +19,10 @@ Rules that make the cache trustworthy:
   keeps failing. Watches also end by themselves after a random 5-10 minutes, as client-go's do.
 * Objects are decoded from raw JSON by the caller's ``decode`` after ``metadata.managedFields`` is dropped;
   the raw dict is not kept.
+* A list or watch the apiserver refuses for good (403 Forbidden: an RBAC rule is missing; 401) sets
+  ``failure`` to one line naming the verb and resource and the fix, logged once as a WARNING; components
+  report it as unready (``problems``). It clears at the next list or watch that works, so fixing the
+  ClusterRole heals the component without a restart.
 
 Concurrency: ``run()`` is one task per informer (run it in a ``TaskGroup``); it is the only writer of the
 store. Readers (``get``, ``list``, ``by_index``) are synchronous and see a consistent store because the event
@@ -40,9 +44,9 @@ from prometheus_client import Counter, Gauge
 
 from computedomain.kube.client import KubeClient, Raw, Resource
 from computedomain.kube.clock import Clock, MonotonicClock
-from computedomain.kube.errors import Gone, KubeError
+from computedomain.kube.errors import Gone, KubeError, explain
 
-__all__ = ["Informer", "object_key", "wait_for_sync"]
+__all__ = ["Informer", "object_key", "problems", "wait_for_sync"]
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +126,10 @@ class Informer(Generic[T]):
         self._resource_version: str | None = None
         self._synced = asyncio.Event()
         self._objects = INFORMER_OBJECTS.labels(self.name)
+        #: why this cache cannot be kept current (a refused list or watch), or None
+        self.failure: str | None = None
 
     # ---- configuration (before run) -----------------------------------------------------------------
-
-    def add_index(self, name: str, fn: IndexFunc[T]) -> None:
-        """Index objects by the values ``fn`` returns (several per object allowed). Add before ``run``."""
-        if self._items:
-            raise RuntimeError("add indices before the informer has listed")
-        self._indexers[name] = fn
-        self._indices[name] = {}
-        self._indexed[name] = {}
 
     def add_handler(
         self,
@@ -220,16 +218,22 @@ class Informer(Generic[T]):
                 delay *= 0.5 + self._rng.random()
                 timeout = isinstance(exc, KubeError) and exc.reason == "Timeout"
                 INFORMER_WATCH_RESTARTS.labels(self.name, "timeout" if timeout else "error").inc()
-                lvl = logging.INFO if isinstance(exc, KubeError) else logging.WARNING
-                log.log(
-                    lvl,
-                    "informer restart informer=%s failures=%d retry_in=%.2fs error=%r",
-                    self.name,
-                    failures,
-                    delay,
-                    exc,
-                    exc_info=not isinstance(exc, KubeError),
-                )
+                if isinstance(exc, KubeError) and exc.permanent:
+                    self._refused(exc)
+                else:
+                    # Connection trouble and apiserver restarts are weather: debug while it lasts a few
+                    # rounds, then one line per restart; a bug (not a KubeError) with its traceback.
+                    lvl = logging.DEBUG if failures < 5 and isinstance(exc, KubeError) else logging.INFO
+                    lvl = lvl if isinstance(exc, KubeError) else logging.WARNING
+                    log.log(
+                        lvl,
+                        "informer restart informer=%s failures=%d retry_in=%.2fs error=%r",
+                        self.name,
+                        failures,
+                        delay,
+                        exc,
+                        exc_info=not isinstance(exc, KubeError),
+                    )
                 if self._resource_version is None:
                     reason = "error"
                 if failures == 1 and timeout:
@@ -276,6 +280,7 @@ class Informer(Generic[T]):
         self._resource_version = list_rv
         self._objects.set(len(self._items))
         self._synced.set()
+        self._working()
         log.info(
             "informer listed informer=%s objects=%d resource_version=%s added=%d updated=%d deleted=%d",
             self.name,
@@ -310,8 +315,20 @@ class Informer(Generic[T]):
                 self._apply(event.type, event.object, event.resource_version)
         INFORMER_WATCH_RESTARTS.labels(self.name, "closed").inc()
 
+    def _refused(self, exc: KubeError) -> None:
+        failure = f"informer {self.name}: {explain(exc)}"
+        if failure != self.failure:
+            log.warning("cache cannot be kept current: %s", failure)
+        self.failure = failure
+
+    def _working(self) -> None:
+        if self.failure is not None:
+            log.info("informer works again informer=%s (was: %s)", self.name, self.failure)
+            self.failure = None
+
     def _apply(self, etype: str, raw: Raw, rv: str) -> None:
         INFORMER_EVENTS.labels(self.name, etype).inc()
+        self._working()
         if etype == "BOOKMARK":
             self._resource_version = rv or self._resource_version
             return
@@ -408,3 +425,8 @@ async def wait_for_sync(*informers: Informer[Any], within: float | None = None) 
     missing = [i.name for i, ok in zip(informers, results, strict=True) if not ok]
     if missing:
         raise TimeoutError(f"caches not synced after {within}s: {', '.join(missing)}")
+
+
+def problems(*informers: Informer[Any]) -> list[str]:
+    """Why these caches are not current: each refused informer's one-line failure (for readiness)."""
+    return [i.failure for i in informers if i.failure is not None]
