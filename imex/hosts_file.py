@@ -7,7 +7,8 @@ This module owns
   the mapping changed (the caller sends SIGUSR1 to ``nvidia-imex`` only then);
 - ``parse_hosts``, the resolver view (first match wins, as in glibc) the IMEX simulator uses.
 
-Writes are atomic: temp file in the same directory, fsync, rename, fsync of the directory, so a reader
+Writes are atomic (``computedomain.atomic``): temp file in the same directory, fsync, rename, fsync of the
+directory, so a reader
 (``nvidia-imex`` re-resolving after SIGUSR1) sees the old or the new file, never half of one. Inside a pod
 ``/etc/hosts`` is a kubelet bind mount, and rename() over a mount point fails with EBUSY; only then do we
 fall back to rewriting in place with a single write() call (the best a bind-mounted file allows).
@@ -20,11 +21,11 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from computedomain.atomic import NoTempFile, write_atomically
 from imex.config import MAX_NODES_PER_IMEX_DOMAIN, slot_hostname
 from imex.discovery import HardwareError
 
@@ -91,7 +92,7 @@ def update_hosts_file(path: Path, block_id: str, entries: Sequence[HostEntry]) -
     new = _merge(old, block_id, entries)
     if new == old:
         return False
-    _write_atomically(path, new)
+    _write(path, new)
     return True
 
 
@@ -151,49 +152,20 @@ def _merge(old: str, block_id: str, entries: Sequence[HostEntry]) -> str:
     return "\n".join([*kept, *render_block(block_id, entries)]) + "\n"
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    data = text.encode("utf-8")
-    directory = path.parent
+def _write(path: Path, text: str) -> None:
     try:
-        mode = path.stat().st_mode & 0o7777
-    except FileNotFoundError:
-        mode = 0o644
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+        write_atomically(path, text)
     except OSError as exc:
-        if exc.errno in (errno.EROFS, errno.EACCES) and path.exists():
-            # A read-only root filesystem around the pod's bind-mounted /etc/hosts: the file itself is
-            # writable, its directory is not.
-            try:
-                _write_in_place(path, data)
-            except OSError as inner:
-                raise HostsFileError(f"cannot write {path}: {inner.strerror or inner}") from None
-            return
-        raise HostsFileError(f"cannot write {path}: {exc.strerror or exc}") from None
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as tmp_file:
-            tmp_file.write(data)
-            tmp_file.flush()
-            os.fsync(tmp_file.fileno())
-        tmp.chmod(mode)
+        # A bind-mounted file (a pod's /etc/hosts) cannot be replaced (EBUSY, EXDEV); a read-only root filesystem
+        # around it has no room for the temp file while the file itself is writable (EROFS, EACCES). Rewrite it
+        # in place then.
+        no_room = isinstance(exc, NoTempFile) and exc.errno in (errno.EROFS, errno.EACCES) and path.exists()
+        if not (no_room or exc.errno in (errno.EBUSY, errno.EXDEV)):
+            raise HostsFileError(f"cannot write {path}: {exc.strerror or exc}") from None
         try:
-            tmp.replace(path)
-        except OSError as exc:
-            if exc.errno not in (errno.EBUSY, errno.EXDEV):
-                raise
-            # A bind-mounted file (a pod's /etc/hosts) cannot be replaced; rewrite it in place.
-            _write_in_place(path, data)
-            tmp.unlink(missing_ok=True)
-            return
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise HostsFileError(f"cannot write {path}: {exc.strerror or exc}") from None
+            _write_in_place(path, text.encode("utf-8"))
+        except OSError as inner:
+            raise HostsFileError(f"cannot write {path}: {inner.strerror or inner}") from None
 
 
 def _write_in_place(path: Path, data: bytes) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from computedomain.plugin.atomic import atomic_write_text, fsync_dir
+from computedomain.atomic import fsync_dir, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class CdiSpecDir:
             return None
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.path_for(spec.claim_uid)
-        atomic_write_text(path, json.dumps(spec.to_cdi(), separators=(",", ":")) + "\n", mode=0o644)
+        write_atomically(path, json.dumps(spec.to_cdi(), separators=(",", ":")) + "\n", mode=0o644)
         log.debug("wrote CDI spec claim=%s path=%s", spec.claim_uid, path)
         return path
 

@@ -35,7 +35,7 @@ from typing import Final
 
 import yaml
 
-from computedomain.plugin.atomic import atomic_write_text
+from computedomain.atomic import write_atomically
 from computedomain.plugin.cdi import CDI_VENDOR, CDI_VERSION, ContainerEdits, DeviceNode, Mount
 from imex.driver_root import DriverRootError, driver_libraries, find_binary, in_root, searched_bin_dirs
 
@@ -125,5 +125,5 @@ def render(edits: ContainerEdits) -> str:
 def write_base_spec(cdi_root: Path, edits: ContainerEdits) -> Path:
     """Write (or replace) the base spec atomically; returns its path."""
     path = cdi_root / BASE_SPEC_FILE
-    atomic_write_text(path, render(edits), mode=0o644)
+    write_atomically(path, render(edits), mode=0o644)
     return path

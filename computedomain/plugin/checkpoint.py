@@ -40,7 +40,7 @@ from typing import Any, Final, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from computedomain.api.limits import brief, shown
-from computedomain.plugin.atomic import atomic_write_text, fsync_dir
+from computedomain.atomic import fsync_dir, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -499,7 +499,7 @@ class CheckpointStore:
     # -- writes (callers must hold the lock)
 
     def _write(self, cp: Checkpoint) -> None:
-        atomic_write_text(self.path, dumps(cp), mode=0o600, tmp_prefix=_TMP_PREFIX)
+        write_atomically(self.path, dumps(cp), mode=0o600, tmp_prefix=_TMP_PREFIX)
 
     def update(self, change: Callable[[Checkpoint], tuple[Checkpoint, T]]) -> T:
         """Read-modify-write under the lock. `change` is a pure function returning (new checkpoint, value);

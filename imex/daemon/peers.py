@@ -31,12 +31,12 @@ from enum import StrEnum
 from pathlib import Path
 
 from computedomain.api.limits import brief, shown
+from computedomain.atomic import write_atomically
 from computedomain.kube.client import KubeClient, Raw
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import KubeError
 from computedomain.kube.informer import Informer
 from imex.config import render_nodes_cfg_ips
-from imex.daemon.files import write_file_atomically
 from imex.daemon.loop import run_on_changes
 from imex.daemon.process import ImexProcess
 from imex.daemon.registration import DaemonEntry, RegistrationError, Registry
@@ -260,7 +260,7 @@ class PeerSync:
             if changed:
                 log.info("hosts file updated mapping=%s", _describe(decision.addresses, self.files.hostname_prefix))
         if decision.nodes_cfg is not None and decision.nodes_cfg != self.applied.nodes_cfg:
-            write_file_atomically(self.files.nodes_cfg, decision.nodes_cfg)
+            write_atomically(self.files.nodes_cfg, decision.nodes_cfg, if_changed=True)
             log.info("nodes.cfg written peers=%s", decision.nodes_cfg.split())
         assert view.own is not None
         if decision.action is Action.START:

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from computedomain.api.constants import CLIQUE_LABEL
+from computedomain.atomic import write_atomically
 from computedomain.kube.client import PODS, ClientConfig, KubeClient
 from computedomain.kube.errors import KubeError
 from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
-from imex.daemon.files import write_file_atomically
 from imex.daemon.peers import PeerFiles, PeerSync
 from imex.daemon.process import ImexProcess
 from imex.daemon.readiness import ReadinessMirror
@@ -83,13 +83,19 @@ async def label_own_pod(client: KubeClient, settings: DaemonSettings) -> None:
 
 
 def write_imex_config(settings: DaemonSettings) -> None:
-    write_file_atomically(
+    settings.imexd_cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(
         settings.imexd_cfg_path,
         render_imexd_cfg(cmd_bind_ip=settings.pod_ip, nodes_config_file=str(settings.nodes_cfg_path)),
+        mode=0o644,
+        if_changed=True,
     )
     if settings.dns_names:
-        write_file_atomically(
-            settings.nodes_cfg_path, render_nodes_cfg_dns(settings.hostname_prefix, settings.max_nodes)
+        write_atomically(
+            settings.nodes_cfg_path,
+            render_nodes_cfg_dns(settings.hostname_prefix, settings.max_nodes),
+            mode=0o644,
+            if_changed=True,
         )
 
 

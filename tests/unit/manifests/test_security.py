@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from computedomain import atomic
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, DAEMON_DEVICE_CLASS
 from computedomain.controller import daemonset
 from computedomain.controller.network_policy import network_policy
@@ -121,7 +122,7 @@ def test_hosts_file_is_rewritten_in_place_under_a_read_only_root(monkeypatch: py
     with tempfile.TemporaryDirectory() as tmp:
         hosts = Path(tmp) / "hosts"
         hosts.write_text("127.0.0.1\tlocalhost\n")
-        monkeypatch.setattr(hosts_file.tempfile, "mkstemp", refuse)
+        monkeypatch.setattr(atomic.tempfile, "mkstemp", refuse)
         entries = [hosts_file.HostEntry("10.0.0.1", "compute-domain-daemon-x-0000")]
         assert hosts_file.update_hosts_file(hosts, "cd", entries)
         assert "10.0.0.1\tcompute-domain-daemon-x-0000" in hosts.read_text()
