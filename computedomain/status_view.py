@@ -22,6 +22,7 @@ from typing import Any
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, PODS, KubeClient
+from computedomain.kube.clock import utcnow
 
 
 def _age(stamp: str | None, now: dt.datetime) -> str:
@@ -45,7 +46,7 @@ def render(
     *,
     now: dt.datetime | None = None,
 ) -> str:
-    now = now or dt.datetime.now(dt.UTC)
+    now = now or utcnow()
     meta, spec, status = cd["metadata"], cd.get("spec") or {}, cd.get("status") or {}
     channel = spec.get("channel") or {}
     lines = [

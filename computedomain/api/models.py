@@ -21,7 +21,7 @@ from typing import Annotated, Any, Final, Literal, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from computedomain.api.constants import GROUP_VERSION
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.limits import brief
 
 CdUid = NewType("CdUid", str)
@@ -185,6 +185,16 @@ class ComputeDomainClique(_ApiModel):
         description="One entry per daemon of the clique.",
         json_schema_extra=_listmap("nodeName"),
     )
+
+    @property
+    def domain_uid(self) -> str:
+        """The domain it belongs to: its CD label, else the `<cdUID>` part of its name."""
+        return self.metadata.labels.get(COMPUTE_DOMAIN_LABEL) or self.metadata.name.partition(".")[0]
+
+
+def clique_name(cd_uid: str, clique_id: str) -> str:
+    """`<cdUID>.<cliqueID>`: the ComputeDomainClique of one domain and one NVLink clique."""
+    return f"{cd_uid}.{clique_id}"
 
 
 # --- Opaque device configs -----------------------------------------------------------------------------

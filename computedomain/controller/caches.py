@@ -30,9 +30,6 @@ from computedomain.controller.observed import (
     NodeView,
     Observed,
     PodView,
-    clique_cd_uid,
-    decode_clique,
-    decode_compute_domain,
     decode_daemonset,
     decode_network_policy,
     decode_node,
@@ -73,7 +70,7 @@ class Caches:
             client,
             COMPUTE_DOMAINS,
             namespace=cd_namespace,
-            decode=decode_compute_domain,
+            decode=ComputeDomain.model_validate,
             name="computedomains",
             indexers={"uid": _uid},
         )
@@ -109,9 +106,9 @@ class Caches:
                         client,
                         COMPUTE_DOMAIN_CLIQUES,
                         namespace=ns,
-                        decode=decode_clique,
+                        decode=ComputeDomainClique.model_validate,
                         name=f"computedomaincliques/{ns}",
-                        indexers={CD_INDEX: lambda c: [clique_cd_uid(c)]},
+                        indexers={CD_INDEX: lambda c: [c.domain_uid]},
                     )
                     for ns in settings.managed_namespaces
                 ]
@@ -248,9 +245,9 @@ class Caches:
             )
         for informer_c in self.cliques:
             informer_c.add_handler(
-                on_add=lambda c: _route(clique_cd_uid(c), on_uid),
-                on_update=lambda _o, n: _route(clique_cd_uid(n), on_uid),
-                on_delete=lambda c: _route(clique_cd_uid(c), on_uid),
+                on_add=lambda c: _route(c.domain_uid, on_uid),
+                on_update=lambda _o, n: _route(n.domain_uid, on_uid),
+                on_delete=lambda c: _route(c.domain_uid, on_uid),
             )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from computedomain.api.models import ComputeDomainClique
 from computedomain.controller.nodes import stale_labels
-from computedomain.controller.observed import Child, NodeView, clique_cd_uid
+from computedomain.controller.observed import Child, NodeView
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,7 @@ class Orphans:
 
     @property
     def uids(self) -> set[str]:
-        return (
-            {c.cd_uid for c in self.children}
-            | {n.cd_uid for n in self.nodes}
-            | {clique_cd_uid(c) for c in self.cliques}
-        )
+        return {c.cd_uid for c in self.children} | {n.cd_uid for n in self.nodes} | {c.domain_uid for c in self.cliques}
 
     def describe(self) -> str:
         parts = [str(c) for c in self.children]
@@ -63,7 +59,7 @@ def candidates(
         nodes=tuple(stale_labels(nodes, known_uids)),
         cliques=tuple(
             sorted(
-                (c for c in cliques if clique_cd_uid(c) and clique_cd_uid(c) not in known_uids),
+                (c for c in cliques if c.domain_uid and c.domain_uid not in known_uids),
                 key=lambda c: (c.metadata.namespace, c.metadata.name),
             )
         ),
@@ -75,5 +71,5 @@ def confirm(found: Orphans, live_uids: Collection[str]) -> Orphans:
     return Orphans(
         children=tuple(c for c in found.children if c.cd_uid not in live_uids),
         nodes=tuple(n for n in found.nodes if n.cd_uid not in live_uids),
-        cliques=tuple(c for c in found.cliques if clique_cd_uid(c) not in live_uids),
+        cliques=tuple(c for c in found.cliques if c.domain_uid not in live_uids),
     )

@@ -6,32 +6,25 @@ claim a daemon device from the daemon template, and learn who they are from the 
 is never updated after creation (as upstream): daemons of a running domain are not rolled.
 
 Each domain gets its own DNS hostname prefix (``IMEX_HOSTNAME_PREFIX``), so that two domains never share
-peer names even when pod IPs are reused (upstream #1447). It is derived from the CD UID exactly as the
-daemon's ``imex.config.hostname_prefix`` derives it, so either side may compute it.
+peer names even when pod IPs are reused (upstream #1447): ``imex.config.hostname_prefix``, the function the
+daemon uses when the variable is missing.
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL
 from computedomain.api.models import ComputeDomain
 from computedomain.controller.claim_templates import daemon_object_name
 from computedomain.settings import ControllerSettings
+from imex.config import hostname_prefix
 
 CONTAINER_NAME = "compute-domain-daemon"
 CLAIM_NAME = "compute-domain-daemon"
 SERVICE_ACCOUNT = "compute-domain-daemon-service-account"
-HOSTNAME_PREFIX_BASE = "compute-domain-daemon"
 DAEMON_COMMAND = ("python", "-m", "imex", "daemon", "run")
 CHECK_COMMAND = ("python", "-m", "imex", "daemon", "check")
-
-
-def hostname_prefix(cd_uid: str) -> str:
-    """``compute-domain-daemon-<uid as 32 hex digits>``: unique per domain, a valid DNS label with the
-    ``-NNNN`` slot suffix (59 characters)."""
-    return f"{HOSTNAME_PREFIX_BASE}-{uuid.UUID(cd_uid).hex}"
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from prometheus_client import Counter
@@ -56,6 +56,7 @@ from computedomain.kube.client import (
     Raw,
     Resource,
 )
+from computedomain.kube.clock import utcnow
 from computedomain.kube.converge import DONE, ReconcileResult, RequeueAfter
 from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
@@ -93,10 +94,6 @@ def cd_ref(cd: ComputeDomain) -> ObjectRef:
 
 def _finalizers_without_ours(finalizers: tuple[str, ...]) -> list[str]:
     return [f for f in finalizers if f != COMPUTE_DOMAIN_FINALIZER]
-
-
-def _decode_cd(raw: Raw) -> ComputeDomain:
-    return ComputeDomain.model_validate(raw)
 
 
 class Writer:
@@ -155,7 +152,7 @@ class Reconciler:
         *,
         recorder: EventRecorder | None = None,
         after_reconcile: Callable[[], None] | None = None,
-        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        now: Callable[[], datetime] = utcnow,
     ) -> None:
         self.client = client
         self.caches = caches
@@ -231,7 +228,7 @@ class Reconciler:
                     "finalizers": [*cd.metadata.finalizers, COMPUTE_DOMAIN_FINALIZER],
                 }
             }
-            with_finalizer = _decode_cd(
+            with_finalizer = ComputeDomain.model_validate(
                 await self.client.merge_patch(COMPUTE_DOMAINS, cd.metadata.name, patch, namespace=cd.metadata.namespace)
             )
             self.caches.note_written(with_finalizer)
@@ -247,7 +244,7 @@ class Reconciler:
                 raw = await self.client.merge_patch(
                     COMPUTE_DOMAINS, cd.metadata.name, patch, namespace=cd.metadata.namespace
                 )
-                self.caches.note_written(_decode_cd(raw))
+                self.caches.note_written(ComputeDomain.model_validate(raw))
             self._released[cd.uid] = (cd.metadata.resource_version, time.monotonic())
             log.info("teardown complete cd=%s uid=%s", _name(cd), cd.uid)
             # Whatever the apiserver answered, our part is done: fold a copy without our finalizer.
@@ -279,7 +276,7 @@ class Reconciler:
             raw = await self.client.replace(
                 COMPUTE_DOMAINS, body, namespace=cd.metadata.namespace, subresource="status"
             )
-            written = _decode_cd(raw)
+            written = ComputeDomain.model_validate(raw)
             self.caches.note_written(written)
             log.info(
                 "status written cd=%s uid=%s status=%s",

@@ -164,19 +164,6 @@ def decode_node(raw: Raw) -> NodeView:
     )
 
 
-def decode_compute_domain(raw: Raw) -> ComputeDomain:
-    return ComputeDomain.model_validate(raw)
-
-
-def decode_clique(raw: Raw) -> ComputeDomainClique:
-    return ComputeDomainClique.model_validate(raw)
-
-
-def clique_cd_uid(clique: ComputeDomainClique) -> str:
-    """The CD a clique belongs to: its label, else the `<cdUID>.<cliqueID>` name."""
-    return clique.metadata.labels.get(COMPUTE_DOMAIN_LABEL) or clique.metadata.name.partition(".")[0]
-
-
 @dataclass(frozen=True)
 class Observed:
     """Everything one reconcile of one ComputeDomain looks at (from synced caches plus own writes)."""

@@ -2,8 +2,9 @@
 
 Everything in ``computedomain.kube`` that waits (work-queue backoff, rate limits, ``add_after``, leader
 election renewals, event de-duplication windows) takes a ``Clock`` so that unit tests can run hours of
-backoff in microseconds. ``now()`` is monotonic seconds, never wall time; wall-clock timestamps written to
-the API (Lease ``renewTime``, Event ``lastTimestamp``) come from ``datetime.now(UTC)`` at the write site.
+backoff in microseconds. ``now()`` is monotonic seconds, never wall time; wall-clock timestamps (Lease
+``renewTime``, Event ``lastTimestamp``, condition and checkpoint times) come from ``utcnow``, the one
+wall-clock reader, which callers inject where tests need a fixed time.
 
 Concurrency: all clocks are used from a single asyncio event loop; ``FakeClock`` is not thread-safe.
 """
@@ -13,9 +14,15 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from datetime import UTC, datetime
 from typing import Protocol
 
-__all__ = ["Clock", "FakeClock", "MonotonicClock"]
+__all__ = ["Clock", "FakeClock", "MonotonicClock", "utcnow"]
+
+
+def utcnow() -> datetime:
+    """Wall-clock time, timezone-aware UTC."""
+    return datetime.now(UTC)
 
 
 class Clock(Protocol):

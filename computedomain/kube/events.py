@@ -28,14 +28,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
 from prometheus_client import Counter
 
 from computedomain.kube.client import EVENTS, Raw, Resource
-from computedomain.kube.clock import Clock, MonotonicClock
+from computedomain.kube.clock import Clock, MonotonicClock, utcnow
 from computedomain.kube.errors import KubeError, NotFound
 from computedomain.kube.ratelimit import TokenBucket
 
@@ -207,7 +206,7 @@ class EventSink(Protocol):
 
 
 def _now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class EventRecorder:

@@ -29,13 +29,12 @@ import os
 import random
 import uuid
 from collections.abc import Callable, Coroutine
-from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
 from computedomain.kube.client import LEASES, KubeClient, Raw
-from computedomain.kube.clock import Clock, MonotonicClock
+from computedomain.kube.clock import Clock, MonotonicClock, utcnow
 from computedomain.kube.errors import Conflict, KubeError, NotFound
 
 __all__ = ["LeaderElector", "LeadershipLost", "make_identity"]
@@ -58,8 +57,8 @@ def make_identity(pod_name: str | None = None) -> str:
     return f"{pod}-{uuid.uuid4()}"
 
 
-def _micro_time(dt: datetime | None = None) -> str:
-    return (dt or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+def _micro_time() -> str:
+    return utcnow().strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaderElector:

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from computedomain.api.limits import brief, shown
 from computedomain.atomic import fsync_dir, write_atomically
+from computedomain.kube.clock import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -463,10 +464,6 @@ class FileLock:
             os.close(fd)
 
 
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 class CheckpointStore:
     """The checkpoint file of one plugin directory. Call `open()` once at start-up."""
 
@@ -476,7 +473,7 @@ class CheckpointStore:
         *,
         boot_id_path: Path = DEFAULT_BOOT_ID_PATH,
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.directory = directory
         self.path = directory / CHECKPOINT_FILE

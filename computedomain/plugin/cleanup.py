@@ -26,10 +26,11 @@ import logging
 import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Final
 
+from computedomain.kube.clock import utcnow
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.checkpoint import DEFAULT_TOMBSTONE_TTL, Checkpoint, ClaimState, expire_tombstones
 from computedomain.plugin.prepare import Preparer
@@ -51,10 +52,6 @@ class CleanupReport:
     skipped: list[str] = field(default_factory=list)
 
 
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 class Cleanup:
     def __init__(
         self,
@@ -66,7 +63,7 @@ class Cleanup:
         domains_dir: Path,
         interval_s: float = DEFAULT_INTERVAL_S,
         tombstone_ttl: timedelta = DEFAULT_TOMBSTONE_TTL,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         """known_domains returns the UIDs of existing ComputeDomains, or None while that is unknown (cache
         not synced): then no domain directory is removed."""

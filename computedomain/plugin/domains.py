@@ -24,9 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
-from computedomain.api.models import ComputeDomain, ComputeDomainClique, ReadyStatus
-from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient, Raw
+from computedomain.api.models import ComputeDomain, ComputeDomainClique, ReadyStatus, clique_name
+from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient
 from computedomain.kube.informer import Informer
 from computedomain.plugin.prepare import DomainInfo, NotReadyError, RetryableError
 
@@ -34,14 +33,6 @@ log = logging.getLogger(__name__)
 
 UID_INDEX: Final = "uid"
 SYNC_TIMEOUT_S: Final = 10.0
-
-
-def _decode_cd(raw: Raw) -> ComputeDomain:
-    return ComputeDomain.model_validate(raw)
-
-
-def _decode_clique(raw: Raw) -> ComputeDomainClique:
-    return ComputeDomainClique.model_validate(raw)
 
 
 def _info(cd: ComputeDomain) -> DomainInfo:
@@ -58,7 +49,7 @@ class DomainCache:
         self.informer: Informer[ComputeDomain] = Informer(
             client,
             COMPUTE_DOMAINS,
-            decode=_decode_cd,
+            decode=ComputeDomain.model_validate,
             name="computedomains",
             indexers={UID_INDEX: lambda cd: (cd.metadata.uid,)},
         )
@@ -77,7 +68,10 @@ class DomainCache:
         cd = self.lookup(uid)
         if cd is None:
             listed = await self._client.list_all(COMPUTE_DOMAINS)
-            cd = next((_decode_cd(c) for c in listed.items if (c.get("metadata") or {}).get("uid") == uid), None)
+            cd = next(
+                (ComputeDomain.model_validate(c) for c in listed.items if (c.get("metadata") or {}).get("uid") == uid),
+                None,
+            )
         return _info(cd) if cd is not None and cd.metadata.deletion_timestamp is None else None
 
     def known_uids(self) -> set[str]:
@@ -109,7 +103,7 @@ def evaluate(
         seen = f"entry {entry.status}" if entry is not None else "no entry"
         clique_text = f"ComputeDomainClique {clique.metadata.name}: {seen}"
     else:
-        clique_text = f"ComputeDomainClique {domain.uid}.{clique_id}: not found" if use_cliques else ""
+        clique_text = f"ComputeDomainClique {clique_name(domain.uid, clique_id)}: not found" if use_cliques else ""
     nodes = list((cd.status.nodes if cd is not None and cd.status is not None else None) or ())
     own = next((n for n in nodes if n.name == node), None)
     ready = [n for n in nodes if n.status is ReadyStatus.READY]
@@ -151,7 +145,7 @@ class DaemonReadinessWatch:
             self.cliques = Informer(
                 client,
                 COMPUTE_DOMAIN_CLIQUES,
-                decode=_decode_clique,
+                decode=ComputeDomainClique.model_validate,
                 namespace=driver_namespace,
                 name="computedomaincliques",
             )
@@ -180,8 +174,7 @@ class DaemonReadinessWatch:
             event.set()
 
     def _clique_changed(self, clique: ComputeDomainClique) -> None:
-        uid = clique.metadata.labels.get(COMPUTE_DOMAIN_LABEL) or clique.metadata.name.split(".", 1)[0]
-        self._notify(uid)
+        self._notify(clique.domain_uid)
 
     def _cd_changed(self, cd: ComputeDomain) -> None:
         self._notify(cd.metadata.uid)
@@ -189,7 +182,7 @@ class DaemonReadinessWatch:
     def check(self, domain: DomainInfo, clique_id: str) -> Readiness:
         clique = None
         if self.cliques is not None:
-            clique = self.cliques.get(f"{domain.uid}.{clique_id}", self.driver_namespace)
+            clique = self.cliques.get(clique_name(domain.uid, clique_id), self.driver_namespace)
         return evaluate(
             self.node_name,
             domain,

@@ -45,13 +45,14 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
 from prometheus_client import Counter, Histogram
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
+from computedomain.kube.clock import utcnow
 from computedomain.plugin import cdi
 from computedomain.plugin.cdi import CdiError, CdiSpecDir, ClaimSpec, ContainerEdits
 from computedomain.plugin.checkpoint import (
@@ -269,10 +270,6 @@ class PreparerConfig:
         return self.plugin_dir / DOMAINS_DIR
 
 
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 # --- the plan of one claim (pure) -----------------------------------------------------------------------
 
 
@@ -310,7 +307,7 @@ class Preparer:
         readiness: DaemonReadiness,
         hardware: Hardware,
         host_check: HostCheck | None = None,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Callable[[], datetime] = utcnow,
         monotonic: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
-from computedomain.api.models import ReadyStatus
+from computedomain.api.models import ReadyStatus, clique_name
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient, Raw, Resource
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import Conflict, NotFound
@@ -211,7 +211,7 @@ class CliqueBackend:
 
     @property
     def name(self) -> str:
-        return f"{self.cd_uid}.{self.clique_id}"
+        return clique_name(self.cd_uid, self.clique_id)
 
     def items(self, obj: Raw) -> list[Raw]:
         return list(obj.get("daemons") or [])

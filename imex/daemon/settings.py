@@ -21,6 +21,7 @@ from pathlib import Path
 
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
 from computedomain.api.limits import brief
+from computedomain.api.models import clique_name
 from computedomain.settings import (
     CommonSettings,
     FeatureGate,
@@ -127,7 +128,7 @@ class DaemonSettings(CommonSettings):
     @property
     def clique_object_name(self) -> str:
         """``<cdUID>.<cliqueID>``: the ComputeDomainClique this daemon registers in."""
-        return f"{self.cd_uid}.{self.clique_id}"
+        return clique_name(self.cd_uid, self.clique_id)
 
     def validate_for_run(self) -> None:
         """The identity `run` needs; one line per problem, the most fundamental first."""

@@ -8,7 +8,8 @@ import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, TEMPLATE_TARGET_LABEL
 from computedomain.controller.claim_templates import daemon_template, workload_template
-from computedomain.controller.daemonset import daemonset, hostname_prefix
+from computedomain.controller.daemonset import daemonset
+from imex.config import hostname_prefix
 from tests.unit.controller.helpers import DRIVER_NS, UID, compute_domain, host_settings, settings
 
 
