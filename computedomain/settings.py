@@ -203,9 +203,21 @@ class CommonSettings:
         default=DEFAULT_HOST_SOCKET_PATH,
     )
     namespace: str = setting("NAMESPACE", "the driver namespace", default="default")
+    pod_name: str = setting(
+        "POD_NAME", "this pod's name (downward API): Event source, leader identity, daemon pod", default=""
+    )
     kubeconfig: str = setting("KUBECONFIG", "kubeconfig path; empty means in-cluster", default="")
     kube_api_qps: float = setting("KUBE_API_QPS", "client-side request rate limit", default=20.0)
     kube_api_burst: int = setting("KUBE_API_BURST", "client-side burst", default=40)
+    kube_api_timeout: float = setting("KUBE_API_TIMEOUT", "seconds one API request may take", default=10.0)
+    retry_warn_after: int = setting(
+        "RETRY_WARN_AFTER", "failed attempts of one object before a warning (and a condition)", default=5
+    )
+    stuck_recheck_period: float = setting(
+        "STUCK_RECHECK_PERIOD",
+        "seconds before an object stuck on a permanent error (RBAC, quota, invalid) is tried again unasked",
+        default=300.0,
+    )
     log_level: str = setting("LOG_LEVEL", "debug, info, warning or error", default="info")
     log_format: str = setting("LOG_FORMAT", "text or json", default="text")
 
@@ -239,6 +251,11 @@ class CommonSettings:
             raise SettingsError(f"KUBE_API_QPS {self.kube_api_qps!r} must be above 0 and at most {MAX_KUBE_API_RATE}")
         if not 1 <= self.kube_api_burst <= MAX_KUBE_API_RATE:
             raise SettingsError(f"KUBE_API_BURST {self.kube_api_burst!r} must be between 1 and {MAX_KUBE_API_RATE}")
+        _non_negative(self, "kube_api_timeout", "stuck_recheck_period")
+        if self.kube_api_timeout <= 0:
+            raise SettingsError(f"KUBE_API_TIMEOUT {self.kube_api_timeout!r} must be positive")
+        if self.retry_warn_after < 1:
+            raise SettingsError(f"RETRY_WARN_AFTER {self.retry_warn_after!r} must be at least 1")
         object.__setattr__(self, "feature_gates", gates)
         object.__setattr__(self, "imex_mode", mode)
         object.__setattr__(self, "imex_isolation", ImexIsolation(self.imex_isolation_text))
@@ -270,6 +287,15 @@ def check_max_nodes(value: int) -> None:
         )
 
 
+def _non_negative(settings: CommonSettings, *names: str) -> None:
+    """One line naming the first setting among ``names`` (field names) whose value is negative."""
+    by_name = {f.name: f for f in fields(settings)}
+    for name in names:
+        value = getattr(settings, name)
+        if value < 0:
+            raise SettingsError(f"{by_name[name].metadata['env']} {value!r} must not be negative")
+
+
 def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> ImexMode:
     """SPEC section 3 rules 1-4, in order: the mode (and its gate) before the isolation."""
     try:
@@ -289,7 +315,6 @@ def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> 
 
 @dataclass(frozen=True)
 class ControllerSettings(CommonSettings):
-    pod_name: str = setting("POD_NAME", "this pod's name (leader election identity)", default="")
     image_name: str = setting("IMAGE_NAME", "image of the IMEX daemon pods", default="")
     daemon_image_pull_secrets: str = setting(
         "CD_DAEMON_IMAGE_PULL_SECRET_NAMES", "pull secrets of the daemon pods, comma separated", default=""
@@ -318,12 +343,23 @@ class ControllerSettings(CommonSettings):
     leader_election_lease_duration: float = setting("LEADER_ELECTION_LEASE_DURATION", "seconds", default=15.0)
     leader_election_renew_deadline: float = setting("LEADER_ELECTION_RENEW_DEADLINE", "seconds", default=10.0)
     leader_election_retry_period: float = setting("LEADER_ELECTION_RETRY_PERIOD", "seconds", default=2.0)
+    workers: int = setting("WORKERS", "ComputeDomains reconciled at the same time", default=32)
+    sweep_period: float = setting(
+        "SWEEP_PERIOD", "seconds between full orphan sweeps (they also run on events)", default=600.0
+    )
+    retry_backoff_initial: float = setting(
+        "RETRY_BACKOFF_INITIAL", "first delay before a failed reconcile is retried (doubles)", default=0.005
+    )
+    retry_backoff_max: float = setting("RETRY_BACKOFF_MAX", "longest delay between retries", default=300.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.http_endpoint:
             parse_endpoint(self.http_endpoint)
         check_max_nodes(self.max_nodes_per_imex_domain)
+        _non_negative(self, "sweep_period", "retry_backoff_initial", "retry_backoff_max")
+        if self.workers < 1:
+            raise SettingsError(f"WORKERS {self.workers!r} must be at least 1")
         if self.leader_election_enabled and not (
             self.leader_election_lease_duration
             > self.leader_election_renew_deadline
@@ -376,6 +412,23 @@ class PluginSettings(CommonSettings):
     gpu_clique_label_enabled: bool = setting(
         "GPU_CLIQUE_LABEL_ENABLED", "maintain the nvidia.com/gpu.clique node label", default=False
     )
+    prepare_budget: float = setting(
+        "PREPARE_BUDGET", "seconds one claim's Prepare may take (below the kubelet's 45 s deadline)", default=40.0
+    )
+    prepare_backoff_initial: float = setting(
+        "PREPARE_BACKOFF_INITIAL", "first delay between Prepare attempts of one claim (doubles)", default=0.25
+    )
+    prepare_backoff_max: float = setting("PREPARE_BACKOFF_MAX", "longest delay between Prepare attempts", default=3.0)
+    cleanup_interval: float = setting(
+        "CLEANUP_INTERVAL", "seconds between cleanups of stale claims, specs and domain dirs", default=600.0
+    )
+    clique_refresh_interval: float = setting(
+        "CLIQUE_REFRESH_INTERVAL", "seconds between reads of the NVLink clique (and the node label)", default=600.0
+    )
+    retry_backoff_initial: float = setting(
+        "RETRY_BACKOFF_INITIAL", "first delay before failed background work is retried (doubles)", default=0.2
+    )
+    retry_backoff_max: float = setting("RETRY_BACKOFF_MAX", "longest delay between retries", default=30.0)
     http_endpoint: str = setting("HTTP_ENDPOINT", "host:port for /metrics, /healthz; empty: no server", default="")
     metrics_path: str = setting("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
 
@@ -389,6 +442,20 @@ class PluginSettings(CommonSettings):
         if self.health_port > 65535:
             raise SettingsError(
                 f"HEALTHCHECK_PORT {self.health_port} must be at most 65535 (negative: no health server)"
+            )
+        _non_negative(
+            self,
+            "prepare_backoff_initial",
+            "prepare_backoff_max",
+            "cleanup_interval",
+            "clique_refresh_interval",
+            "retry_backoff_initial",
+            "retry_backoff_max",
+        )
+        if not 0 < self.prepare_budget < 45:
+            raise SettingsError(
+                f"PREPARE_BUDGET {self.prepare_budget!r} must be above 0 and below 45: the kubelet gives up on a "
+                "Prepare call after 45 s, and the answer must reach it before"
             )
         for env, value in (
             ("CDI_ROOT", self.cdi_root),

@@ -38,7 +38,7 @@ from computedomain.controller import guard
 from computedomain.controller.caches import Caches
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
 from computedomain.http import start_http
-from computedomain.kube.client import ClientConfig, KubeClient
+from computedomain.kube.client import KubeClient
 from computedomain.kube.converge import Converger
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
@@ -46,8 +46,6 @@ from computedomain.settings import ControllerSettings, describe
 
 log = logging.getLogger("computedomain.controller")
 
-WORKERS = 32
-SWEEP_PERIOD = 600.0
 QUEUE_NAME = "computedomain"
 
 EXIT_OK = 0
@@ -117,15 +115,11 @@ class Controller:
         client: KubeClient,
         *,
         identity: str | None = None,
-        workers: int = WORKERS,
-        sweep_period: float = SWEEP_PERIOD,
         cd_namespace: str | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
-        self.identity = identity or make_identity(settings.pod_name or None)
-        self.workers = workers
-        self.sweep_period = sweep_period
+        self.identity = identity or make_identity(settings.pod_name)
         self.caches = Caches(client, settings, cd_namespace=cd_namespace)
         self.recorder = EventRecorder(client, component="computedomain-controller", instance=self.identity)
         self.ready = False
@@ -175,12 +169,21 @@ class Controller:
         self.leading = True
         log.info("leading identity=%s mode=%s", self.identity, self.settings.imex_mode.value)
         writer = Writer(self.client, self.caches, self.recorder)
-        sweeper = Sweeper(writer, period=self.sweep_period)
+        sweeper = Sweeper(writer, period=self.settings.sweep_period)
         caches = self.caches
         reconciler = Reconciler(
             self.client, caches, self.settings, recorder=self.recorder, after_reconcile=sweeper.request
         )
-        loop: Converger[str] = Converger(QUEUE_NAME, reconciler.reconcile, workers=self.workers)
+        s = self.settings
+        loop: Converger[str] = Converger(
+            QUEUE_NAME,
+            reconciler.reconcile,
+            workers=s.workers,
+            backoff_initial=s.retry_backoff_initial,
+            backoff_max=s.retry_backoff_max,
+            warn_after=s.retry_warn_after,
+            stuck_recheck=s.stuck_recheck_period,
+        )
         self.loop, self.sweeper = loop, sweeper
 
         def on_uid(uid: str) -> None:
@@ -217,12 +220,7 @@ async def main(settings: ControllerSettings, *, cd_namespace: str | None = None)
     loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
     settings_line: dict[str, Any] = describe(settings)
     log.info("starting controller settings=%s", json.dumps(settings_line, default=str, sort_keys=True))
-    client = await KubeClient.connect(
-        kubeconfig=settings.kubeconfig or None,
-        config=ClientConfig(
-            qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager="computedomain-controller"
-        ),
-    )
+    client = await KubeClient.for_component(settings, field_manager="computedomain-controller")
     controller = Controller(settings, client, cd_namespace=cd_namespace)
     runner: web.AppRunner | None = None
     try:

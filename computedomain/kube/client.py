@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 from urllib.parse import quote
 
 import aiohttp
@@ -69,6 +69,7 @@ __all__ = [
     "RESOURCE_CLAIMS",
     "RESOURCE_CLAIM_TEMPLATES",
     "RESOURCE_SLICES",
+    "ApiSettings",
     "ClientConfig",
     "KubeClient",
     "ObjectList",
@@ -207,6 +208,22 @@ class WatchEvent:
         return str(self.object.get("metadata", {}).get("resourceVersion") or "")
 
 
+class ApiSettings(Protocol):
+    """What ``KubeClient.for_component`` reads from a process's settings."""
+
+    @property
+    def kubeconfig(self) -> str: ...
+
+    @property
+    def kube_api_qps(self) -> float: ...
+
+    @property
+    def kube_api_burst(self) -> int: ...
+
+    @property
+    def kube_api_timeout(self) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
     """Client-side limits. Defaults suit the controller; node agents should use a few QPS."""
@@ -295,6 +312,17 @@ class KubeClient:
         self._closed = False
 
     # ---- construction --------------------------------------------------------------------------------
+
+    @classmethod
+    async def for_component(cls, settings: ApiSettings, *, field_manager: str) -> KubeClient:
+        """The client of one of our processes: credentials, rate limit and deadline from its settings."""
+        config = ClientConfig(
+            qps=settings.kube_api_qps,
+            burst=settings.kube_api_burst,
+            timeout=settings.kube_api_timeout,
+            field_manager=field_manager,
+        )
+        return await cls.connect(kubeconfig=settings.kubeconfig or None, config=config)
 
     @classmethod
     async def connect(

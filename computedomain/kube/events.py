@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -217,13 +216,13 @@ class EventRecorder:
         sink: EventSink,
         *,
         component: str,
-        instance: str | None = None,
+        instance: str,
         correlator: EventCorrelator | None = None,
         max_pending: int = 1000,
     ) -> None:
         self._sink = sink
         self.component = component
-        self.instance = instance or os.environ.get("POD_NAME") or os.uname().nodename
+        self.instance = instance
         self._correlator = correlator or EventCorrelator()
         self._queue: asyncio.Queue[tuple[str, _Entry, Raw]] = asyncio.Queue(maxsize=max_pending)
         self._writer: asyncio.Task[None] | None = None

@@ -51,10 +51,9 @@ class LeadershipLost(Exception):  # noqa: N818 (an event, not a failure of ours)
     """The lease could not be renewed in time or was taken over; the process should exit."""
 
 
-def make_identity(pod_name: str | None = None) -> str:
-    """``<pod>-<uuid4>``; the pod name comes from ``POD_NAME`` or the host name."""
-    pod = pod_name or os.environ.get("POD_NAME") or os.uname().nodename
-    return f"{pod}-{uuid.uuid4()}"
+def make_identity(pod_name: str) -> str:
+    """``<pod>-<uuid4>``; the host name when there is no pod name (a process outside a pod)."""
+    return f"{pod_name or os.uname().nodename}-{uuid.uuid4()}"
 
 
 def _micro_time() -> str:
@@ -85,7 +84,7 @@ class LeaderElector:
         self.client = client
         self.namespace = namespace
         self.name = name
-        self.identity = identity or make_identity()
+        self.identity = identity or make_identity("")
         self.lease_duration = lease_duration
         self.renew_deadline = renew_deadline
         self.retry_period = retry_period

@@ -41,7 +41,7 @@ from aiohttp import web
 
 from computedomain.api.constants import DRIVER_NAME
 from computedomain.http import EndpointError, start_http
-from computedomain.kube.client import NODES, ClientConfig, KubeClient, Raw
+from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import Informer
 from computedomain.plugin.cdi import CdiSpecDir
@@ -99,7 +99,7 @@ class NodeAgent:
         store_kwargs: dict[str, Any] = {"boot_id_path": boot_id_path} if boot_id_path else {}
         self.store = CheckpointStore(self.plugin_dir, **store_kwargs)
         self.cdi = CdiSpecDir(Path(settings.cdi_root))
-        self.events = EventRecorder(client, component=COMPONENT)
+        self.events = EventRecorder(client, component=COMPONENT, instance=settings.pod_name or settings.node_name)
         self.domains = DomainCache(client)
         self.readiness = DaemonReadinessWatch(
             client,
@@ -263,10 +263,7 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
     """The node agent until `stop` is set: 0 then, 1 when start-up or a background task fails (a start-up
     failure is one `error: ...` line on stderr). Installs no signal handlers: the caller owns `stop`
     (`main`: SIGTERM/SIGINT; the test bed's pod host: the container's stop)."""
-    client = await KubeClient.connect(
-        kubeconfig=settings.kubeconfig or None,
-        config=ClientConfig(qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager=COMPONENT),
-    )
+    client = await KubeClient.for_component(settings, field_manager=COMPONENT)
     http: web.AppRunner | None = None
     try:
         agent = NodeAgent(settings, client, make_discovery(settings))

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from computedomain.api.constants import CLIQUE_LABEL
 from computedomain.atomic import write_atomically
-from computedomain.kube.client import PODS, ClientConfig, KubeClient
+from computedomain.kube.client import PODS, KubeClient
 from computedomain.kube.errors import KubeError
 from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
 from imex.daemon.peers import PeerFiles, PeerSync
@@ -142,12 +142,7 @@ async def run_daemon(
     stop = stop or _signal_event()
     own_client = client is None
     if client is None:
-        client = await KubeClient.connect(
-            kubeconfig=settings.kubeconfig or None,
-            config=ClientConfig(
-                qps=settings.kube_api_qps, burst=settings.kube_api_burst, field_manager="compute-domain-daemon"
-            ),
-        )
+        client = await KubeClient.for_component(settings, field_manager="compute-domain-daemon")
     try:
         return await _run(settings, client, stop)
     finally:

@@ -42,7 +42,6 @@ class DaemonSettings(CommonSettings):
     node_name: str = setting("NODE_NAME", "this node's name (downward API)", default="")
     pod_ip: str = setting("POD_IP", "this pod's IP (downward API); IMEX peers reach us here", default="")
     pod_uid: str = setting("POD_UID", "this pod's UID (downward API); owner of the clique object", default="")
-    pod_name: str = setting("POD_NAME", "this pod's name (downward API)", default="")
     pod_namespace: str = setting("POD_NAMESPACE", "this pod's namespace: the driver namespace", default="")
     clique_id: str = setting("CLIQUE_ID", "NVLink clique of the node (CDI); empty: no fabric", default="")
     cd_uid: str = setting("COMPUTE_DOMAIN_UUID", "UID of the ComputeDomain (CDI)", default="")
@@ -76,6 +75,10 @@ class DaemonSettings(CommonSettings):
     )
     check_timeout: float = setting("CHECK_TIMEOUT", "deadline of nvidia-imex-ctl in `check`", default=8.0)
     shutdown_timeout: float = setting("SHUTDOWN_TIMEOUT", "deadline for removing our entry after SIGTERM", default=10.0)
+    retry_backoff_initial: float = setting(
+        "RETRY_BACKOFF_INITIAL", "first delay before a failed registration or peer update is retried", default=0.2
+    )
+    retry_backoff_max: float = setting("RETRY_BACKOFF_MAX", "longest delay between those retries", default=30.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +90,8 @@ class DaemonSettings(CommonSettings):
             ("IMEX_RESTART_BACKOFF_MAX", self.restart_backoff_max),
             ("CHECK_TIMEOUT", self.check_timeout),
             ("SHUTDOWN_TIMEOUT", self.shutdown_timeout),
+            ("RETRY_BACKOFF_INITIAL", self.retry_backoff_initial),
+            ("RETRY_BACKOFF_MAX", self.retry_backoff_max),
         ):
             if value < 0:
                 raise SettingsError(f"{env} {value!r} must not be negative")

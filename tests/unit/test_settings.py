@@ -122,6 +122,14 @@ def test_flags_override_env() -> None:
         (ControllerSettings, {"LOG_LEVEL": "chatty"}, "LOG_LEVEL 'chatty'"),
         (ControllerSettings, {"HTTP_ENDPOINT": "8080"}, "HTTP_ENDPOINT '8080' must look like host:port"),
         (PluginSettings, {**NODE, "HTTP_ENDPOINT": ":http"}, "HTTP_ENDPOINT ':http' must look like host:port"),
+        # tunables: today's values are the defaults, nonsense is one line naming the variable
+        (ControllerSettings, {"WORKERS": "0"}, "WORKERS 0 must be at least 1"),
+        (ControllerSettings, {"SWEEP_PERIOD": "-1"}, "SWEEP_PERIOD -1.0 must not be negative"),
+        (ControllerSettings, {"RETRY_BACKOFF_MAX": "-5s"}, "RETRY_BACKOFF_MAX -5.0 must not be negative"),
+        (ControllerSettings, {"KUBE_API_TIMEOUT": "0"}, "KUBE_API_TIMEOUT 0.0 must be positive"),
+        (ControllerSettings, {"RETRY_WARN_AFTER": "0"}, "RETRY_WARN_AFTER 0 must be at least 1"),
+        (PluginSettings, {**NODE, "PREPARE_BUDGET": "45"}, "PREPARE_BUDGET 45.0 must be above 0 and below 45"),
+        (PluginSettings, {**NODE, "CLEANUP_INTERVAL": "-1"}, "CLEANUP_INTERVAL -1.0 must not be negative"),
     ],
 )
 def test_process_specific_rules(
@@ -163,3 +171,14 @@ def test_cli_exits_non_zero_with_one_line() -> None:
 @pytest.mark.parametrize("pod_ip", ["", "10.1.2.3", "fd00::5"])
 def test_plugin_pod_ip(pod_ip: str) -> None:
     assert load_settings(PluginSettings, environ={**NODE, "POD_IP": pod_ip}).pod_ip == pod_ip
+
+
+def test_tunables_default_to_the_values_the_code_had() -> None:
+    controller = load_settings(ControllerSettings, environ={})
+    assert (controller.workers, controller.sweep_period) == (32, 600.0)
+    assert (controller.retry_backoff_initial, controller.retry_backoff_max) == (0.005, 300.0)
+    assert (controller.kube_api_timeout, controller.retry_warn_after, controller.stuck_recheck_period) == (10, 5, 300)
+    plugin = load_settings(PluginSettings, environ=NODE)
+    assert (plugin.prepare_budget, plugin.prepare_backoff_initial, plugin.prepare_backoff_max) == (40.0, 0.25, 3.0)
+    assert (plugin.cleanup_interval, plugin.clique_refresh_interval) == (600.0, 600.0)
+    assert load_settings(PluginSettings, environ={**NODE, "POD_NAME": "agent-x"}).pod_name == "agent-x"
