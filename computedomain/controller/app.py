@@ -37,10 +37,12 @@ from prometheus_client.registry import Collector
 from computedomain.controller import guard
 from computedomain.controller.caches import Caches
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
+from computedomain.controller.report import DomainReporter
 from computedomain.http import start_http
 from computedomain.kube.client import KubeClient
 from computedomain.kube.converge import Converger
 from computedomain.kube.events import EventRecorder
+from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
 from computedomain.settings import ControllerSettings, describe
 
@@ -127,6 +129,17 @@ class Controller:
         self.loop: Converger[str] | None = None
         self.sweeper: Sweeper | None = None
 
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """``/readyz``: caches synced, guard passed, and no cache refused (a 403 list or watch says which
+        verb on which resource is missing)."""
+        problems = informer_problems(*self.caches.informers())
+        if not self.ready and not problems:
+            unsynced = [i.name for i in self.caches.informers() if not i.synced]
+            if unsynced:
+                problems = [f"caches not synced yet: {', '.join(unsynced)}"]
+        details = {"ready": self.ready and not problems, "leading": self.leading, "identity": self.identity}
+        return self.ready and not problems, {**details, "problems": problems}
+
     async def run(self) -> None:
         """Until cancelled (graceful stop), or raising ``ModeConflictError`` / ``LeadershipLost``."""
         DOMAIN_STATUS.caches = self.caches
@@ -168,21 +181,19 @@ class Controller:
     async def _lead(self) -> None:
         self.leading = True
         log.info("leading identity=%s mode=%s", self.identity, self.settings.imex_mode.value)
-        writer = Writer(self.client, self.caches, self.recorder)
-        sweeper = Sweeper(writer, period=self.settings.sweep_period)
-        caches = self.caches
-        reconciler = Reconciler(
-            self.client, caches, self.settings, recorder=self.recorder, after_reconcile=sweeper.request
-        )
         s = self.settings
+        retries: dict[str, Any] = {
+            "backoff_initial": s.retry_backoff_initial,
+            "backoff_max": s.retry_backoff_max,
+            "warn_after": s.retry_warn_after,
+            "stuck_recheck": s.stuck_recheck_period,
+        }
+        writer = Writer(self.client, self.caches, self.recorder)
+        sweeper = Sweeper(writer, period=s.sweep_period, **retries)
+        caches = self.caches
+        reconciler = Reconciler(writer, s, after_reconcile=sweeper.request)
         loop: Converger[str] = Converger(
-            QUEUE_NAME,
-            reconciler.reconcile,
-            workers=s.workers,
-            backoff_initial=s.retry_backoff_initial,
-            backoff_max=s.retry_backoff_max,
-            warn_after=s.retry_warn_after,
-            stuck_recheck=s.stuck_recheck_period,
+            QUEUE_NAME, reconciler.reconcile, workers=s.workers, reporter=DomainReporter(writer), **retries
         )
         self.loop, self.sweeper = loop, sweeper
 
@@ -228,10 +239,7 @@ async def main(settings: ControllerSettings, *, cd_namespace: str | None = None)
             runner = await start_http(
                 settings.http_endpoint,
                 metrics_path=settings.metrics_path,
-                readiness=lambda: (
-                    controller.ready,
-                    {"ready": controller.ready, "leading": controller.leading, "identity": controller.identity},
-                ),
+                readiness=controller.readiness,
             )
         await controller.run()
         return EXIT_OK

@@ -8,9 +8,15 @@ status writes are PUTs of the status subresource with the cached resourceVersion
 precondition, node label removal tests the label's value. A conflict fails the pass; the work queue retries it
 with backoff, by which time the watch has delivered the newer object.
 
-``Sweeper`` removes orphans (``cleanup``): coalesced requests (after every reconcile, on events about
-unknown domains), a run at start and one every ``period`` seconds. It does API work only when the caches show
-candidates, and then first confirms them with a consistent list of ComputeDomains from the apiserver.
+A plan that is ``stuck`` (a spec the controller cannot act on) raises ``Stuck``; any other failure simply
+raises. The convergence loop (``kube.converge``) decides what that means: transient failures are retried
+quietly with backoff, repeated and permanent ones reach ``report.DomainReporter``, which puts them on the
+domain (condition and Event).
+
+``Sweeper`` removes orphans (``cleanup``): a one-key convergence loop, so requests (after every reconcile, on
+events about unknown domains) coalesce into at most one sweep per second, with one every ``period`` seconds
+and at start. A sweep does API work only when the caches show candidates, and then first confirms them with
+a consistent list of ComputeDomains from the apiserver.
 """
 
 from __future__ import annotations
@@ -19,17 +25,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import Counter
 
-from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, GROUP_VERSION
-from computedomain.api.models import ComputeDomain
+from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
+from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainStatus
 from computedomain.controller import cleanup, nodes
 from computedomain.controller.caches import Caches
-from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, decode_child
+from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, decode_child, decode_pod
 from computedomain.controller.reconcile import (
     Action,
     AddFinalizer,
@@ -37,6 +43,8 @@ from computedomain.controller.reconcile import (
     DeleteChild,
     Gone,
     NameTaken,
+    Pruned,
+    PruneEntries,
     ReleaseChild,
     RemoveFinalizer,
     Result,
@@ -51,18 +59,21 @@ from computedomain.kube.client import (
     DAEMONSETS,
     NETWORK_POLICIES,
     NODES,
+    PODS,
     RESOURCE_CLAIM_TEMPLATES,
     KubeClient,
     Raw,
     Resource,
 )
 from computedomain.kube.clock import utcnow
-from computedomain.kube.converge import DONE, ReconcileResult, RequeueAfter
+from computedomain.kube.converge import DONE, Converger, ReconcileResult, RequeueAfter, Stuck
 from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
 from computedomain.settings import ControllerSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_ROUNDS = 16
 CONFLICT_RECHECK = 30.0
@@ -140,24 +151,70 @@ class Writer:
             await self.client.json_patch(NODES, node.name, nodes.unlabel_patch(node))
         return Gone()
 
+    async def write_status(self, cd: ComputeDomain, new: ComputeDomainStatus) -> ComputeDomain:
+        """PUT the status subresource with the resourceVersion ``cd`` was read at (``Conflict`` if stale)."""
+        body = {
+            "apiVersion": cd.api_version,
+            "kind": cd.kind,
+            "metadata": {
+                "name": cd.metadata.name,
+                "namespace": cd.metadata.namespace,
+                "resourceVersion": cd.metadata.resource_version,
+            },
+            "status": new.to_api(),
+        }
+        raw = await self.client.replace(COMPUTE_DOMAINS, body, namespace=cd.metadata.namespace, subresource="status")
+        written = ComputeDomain.model_validate(raw)
+        self.caches.note_written(written)
+        return written
+
+    async def prune(self, cd: ComputeDomain, action: PruneEntries) -> Pruned:
+        """Remove entries whose daemon pod is gone, after a live list of the domain's pods confirms it. Only
+        entries whose node still has no pod are removed; everything else of the clique is written back as
+        read, with its resourceVersion (a daemon writing meanwhile is a ``Conflict``: retried)."""
+        ns, name = action.clique.metadata.namespace, action.clique.metadata.name
+        listed = await self.client.list_all(PODS, namespace=ns, label_selector=f"{COMPUTE_DOMAIN_LABEL}={cd.uid}")
+        pods = tuple(decode_pod(p) for p in listed.items)
+        hosted = {p.node_name for p in pods if p.node_name}
+        gone = set(action.nodes) - hosted
+        if not gone:
+            return Pruned(action.clique, pods)
+        try:
+            raw = await self.client.get(COMPUTE_DOMAIN_CLIQUES, name, namespace=ns)
+        except NotFound:
+            return Pruned(None, pods)
+        daemons = raw.get("daemons") or []
+        kept = [d for d in daemons if not (isinstance(d, dict) and d.get("nodeName") in gone)]
+        if len(kept) == len(daemons):
+            return Pruned(ComputeDomainClique.model_validate(raw), pods)
+        written = await self.client.replace(COMPUTE_DOMAIN_CLIQUES, {**raw, "daemons": kept}, namespace=ns)
+        removed = ", ".join(sorted(gone & {str(d.get("nodeName")) for d in daemons if isinstance(d, dict)}))
+        log.info("pruned stale clique entries cd=%s clique=%s/%s nodes=%s", _name(cd), ns, name, removed)
+        self.event(
+            cd,
+            EventType.NORMAL,
+            "DaemonGone",
+            f"removed node {removed} from ComputeDomainClique {name}: its IMEX daemon pod is gone without having "
+            "removed its entry (node lost or daemon killed)",
+        )
+        return Pruned(ComputeDomainClique.model_validate(written), pods)
+
 
 class Reconciler:
     """The work queue's callback: ``reconcile(uid)`` converges one domain (see the module docstring)."""
 
     def __init__(
         self,
-        client: KubeClient,
-        caches: Caches,
+        writer: Writer,
         settings: ControllerSettings,
         *,
-        recorder: EventRecorder | None = None,
         after_reconcile: Callable[[], None] | None = None,
         now: Callable[[], datetime] = utcnow,
     ) -> None:
-        self.client = client
-        self.caches = caches
+        self.writer = writer
+        self.client = writer.client
+        self.caches = writer.caches
         self.settings = settings
-        self.writer = Writer(client, caches, recorder)
         self._after = after_reconcile
         self._now = now
         # Domains whose finalizer we removed, by UID -> the resourceVersion we removed it from.
@@ -195,22 +252,17 @@ class Reconciler:
         uid = observed.cd.uid
         for _ in range(MAX_ROUNDS):
             plan = desired(observed, self.settings, self._now())
+            if plan.stuck is not None:
+                reason, message = plan.stuck
+                raise Stuck(message, reason=reason)
             if not plan:
                 if plan.waiting:
                     log.debug("reconcile waiting cd=%s uid=%s %s", _name(observed.cd), uid, plan.waiting)
                 break
             log.debug("reconcile cd=%s uid=%s actions=%s", _name(observed.cd), uid, plan.actions)
-            results = await asyncio.gather(
-                *(self._apply(observed, a, created) for a in plan.actions), return_exceptions=True
-            )
-            error: BaseException | None = None
+            results = await gather_all(self._apply(observed, a, created) for a in plan.actions)
             for action, result in zip(plan.actions, results, strict=True):
-                if isinstance(result, BaseException):
-                    error = error or result
-                    continue
                 observed = fold(observed, action, result)
-            if error is not None:
-                raise error
         else:
             log.warning("reconcile did not converge cd=%s uid=%s rounds=%d", _name(observed.cd), uid, MAX_ROUNDS)
             return RequeueAfter(1.0)
@@ -262,22 +314,10 @@ class Reconciler:
             return await self.writer.release_child(action.child)
         if isinstance(action, UnlabelNode):
             return await self.writer.unlabel_node(action.node)
+        if isinstance(action, PruneEntries):
+            return await self.writer.prune(cd, action)
         if isinstance(action, WriteStatus):
-            body = {
-                "apiVersion": cd.api_version,
-                "kind": cd.kind,
-                "metadata": {
-                    "name": cd.metadata.name,
-                    "namespace": cd.metadata.namespace,
-                    "resourceVersion": cd.metadata.resource_version,
-                },
-                "status": action.status.to_api(),
-            }
-            raw = await self.client.replace(
-                COMPUTE_DOMAINS, body, namespace=cd.metadata.namespace, subresource="status"
-            )
-            written = ComputeDomain.model_validate(raw)
-            self.caches.note_written(written)
+            written = await self.writer.write_status(cd, action.status)
             log.info(
                 "status written cd=%s uid=%s status=%s",
                 _name(cd),
@@ -327,36 +367,28 @@ def _name(cd: ComputeDomain) -> str:
 
 
 class Sweeper:
-    """Coalesced orphan sweeps (see the module docstring)."""
+    """Coalesced orphan sweeps on a one-key convergence loop (see the module docstring)."""
 
-    def __init__(self, writer: Writer, *, period: float = 600.0, min_interval: float = 1.0) -> None:
+    KEY = "sweep"
+
+    def __init__(self, writer: Writer, *, period: float = 600.0, spacing: float = 1.0, **loop: Any) -> None:
         self.writer = writer
-        self.period = period
-        self.min_interval = min_interval
-        self._wake = asyncio.Event()
+        self.loop: Converger[str] = Converger("orphan-sweep", self._reconcile, spacing=spacing, every=period, **loop)
 
     def request(self) -> None:
-        self._wake.set()
+        self.loop.add(self.KEY)
 
     async def run(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                did_io = await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                SWEEPS.labels("error").inc()
-                log.info("orphan sweep failed error=%r", exc, exc_info=not hasattr(exc, "status"))
-                did_io = True
-                self._wake.set()  # try again after the pause
-            if did_io:
-                await asyncio.sleep(self.min_interval)
-            try:
-                async with asyncio.timeout(self.period):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+        self.request()  # at start
+        await self.loop.run()
+
+    async def _reconcile(self, _key: str) -> ReconcileResult:
+        try:
+            await self.sweep()
+        except Exception:
+            SWEEPS.labels("error").inc()
+            raise
+        return DONE
 
     async def sweep(self) -> bool:
         """One pass; True when it had to talk to the apiserver."""
@@ -371,10 +403,12 @@ class Sweeper:
             SWEEPS.labels("lagging_cache").inc()
             return True
         log.info("removing orphans of deleted ComputeDomains: %s", orphans.describe())
-        await asyncio.gather(
-            *(self._child(c) for c in orphans.children),
-            *(self.writer.unlabel_node(n) for n in orphans.nodes),
-            *(self._clique(c.metadata.namespace, c.metadata.name) for c in orphans.cliques),
+        await gather_all(
+            [
+                *(self._child(c) for c in orphans.children),
+                *(self.writer.unlabel_node(n) for n in orphans.nodes),
+                *(self._clique(c.metadata.namespace, c.metadata.name) for c in orphans.cliques),
+            ]
         )
         ORPHANS_REMOVED.labels("node_label").inc(len(orphans.nodes))
         SWEEPS.labels("removed").inc()
@@ -397,3 +431,12 @@ class Sweeper:
 def _uid_of(raw: Raw) -> str:
     meta: dict[str, Any] = raw.get("metadata") or {}
     return str(meta.get("uid") or "")
+
+
+async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Run all, let every one finish (none is left running unawaited), then raise the first error."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]

@@ -153,14 +153,26 @@ class NodeView:
     name: str
     resource_version: str
     cd_uid: str  # value of the CD label; "" if absent
+    # Why the node is not Ready ("Ready=Unknown since ...: NodeStatusUnknown"); "" while it is, or unknown.
+    lost: str = ""
 
 
 def decode_node(raw: Raw) -> NodeView:
     meta = _meta(raw)
+    status = raw.get("status") or {}
+    ready = next(
+        (c for c in status.get("conditions") or () if isinstance(c, Mapping) and c.get("type") == "Ready"), None
+    )
+    lost = ""
+    if ready is not None and ready.get("status") != "True":
+        since = f" since {ready['lastTransitionTime']}" if ready.get("lastTransitionTime") else ""
+        why = f": {ready['reason']}" if ready.get("reason") else ""
+        lost = f"Ready={ready.get('status')}{since}{why}"
     return NodeView(
         name=str(meta.get("name") or ""),
         resource_version=str(meta.get("resourceVersion") or ""),
         cd_uid=_labels(meta).get(COMPUTE_DOMAIN_LABEL, ""),
+        lost=lost,
     )
 
 
@@ -185,3 +197,13 @@ class Observed:
 
     def without_child(self, key: tuple[ChildKind, str, str]) -> Observed:
         return replace(self, children=tuple(c for c in self.children if c.key != key))
+
+    def with_clique(self, clique: ComputeDomainClique) -> Observed:
+        key = (clique.metadata.namespace, clique.metadata.name)
+        rest = tuple(c for c in self.cliques if (c.metadata.namespace, c.metadata.name) != key)
+        return replace(self, cliques=(*rest, clique))
+
+    def with_pods(self, pods: tuple[PodView, ...]) -> Observed:
+        """Pods read live (they win over cached ones of the same name)."""
+        names = {(p.namespace, p.name) for p in pods}
+        return replace(self, pods=(*(p for p in self.pods if (p.namespace, p.name) not in names), *pods))

@@ -7,9 +7,14 @@ apiserver's answer is the freshest state there is), and asks again, until the pl
 walks the whole SPEC order without waiting for watch events, and a crash at any point leaves a state from
 which the next ``desired`` continues.
 
+A spec the controller cannot act on (``spec_problem``: a workload template name that is no valid object
+name) is a ``Plan`` that is ``stuck``: nothing is written (no finalizer, no children: nothing half-created)
+and the executor reports it through the convergence loop (condition and Event naming the field).
+
 driverManaged, live domain: finalizer -> daemon template -> DaemonSet (-> the daemons' NetworkPolicy, when
-enabled) -> workload template -> status.
+enabled) -> workload template -> stale clique entries pruned -> status.
 hostManaged, live domain: finalizer -> workload template (allocationMode Single) -> status.
+While a step waits for something (a child someone deleted going away), the status says so.
 Terminating domain (either mode; a domain set up in the other mode is torn down completely too): delete the
 workload template -> delete daemon template and DaemonSet -> remove the CD label from nodes -> drop our
 finalizer from terminating children -> (wait until they are gone) -> drop the CD finalizer.
@@ -19,15 +24,16 @@ A child that is terminating while its domain lives (a user deleted it) is releas
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, TypeAlias
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER
-from computedomain.api.models import ComputeDomain, ComputeDomainStatus
+from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainNode, ComputeDomainStatus
 from computedomain.controller import claim_templates, daemonset, network_policy, status
-from computedomain.controller.observed import Child, ChildKind, NodeView, Observed
+from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, PodView
 from computedomain.controller.status import EventSpec
 from computedomain.settings import ControllerSettings, FeatureGate
 
@@ -76,13 +82,21 @@ class UnlabelNode:
 
 
 @dataclass(frozen=True)
+class PruneEntries:
+    """Remove the entries of ``nodes`` from a clique: their daemon pods are gone (confirmed live first)."""
+
+    clique: ComputeDomainClique = field(hash=False)
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class WriteStatus:
     status: ComputeDomainStatus = field(hash=False)
     events: tuple[EventSpec, ...] = ()
 
 
 Action: TypeAlias = (
-    AddFinalizer | RemoveFinalizer | CreateChild | DeleteChild | ReleaseChild | UnlabelNode | WriteStatus
+    AddFinalizer | RemoveFinalizer | CreateChild | DeleteChild | ReleaseChild | UnlabelNode | PruneEntries | WriteStatus
 )
 
 
@@ -93,6 +107,8 @@ class Plan:
     actions: tuple[Action, ...] = ()
     # Why nothing more can happen now (for logs): "waiting for ..." or "".
     waiting: str = ""
+    # A problem only a change of the domain (or its inputs) can solve: (reason, message naming the field).
+    stuck: tuple[str, str] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.actions)
@@ -108,10 +124,33 @@ def _batch(*actions: Action) -> Plan:
 # --- the planner ---------------------------------------------------------------------------------------
 
 
+# A Kubernetes object name (DNS-1123 subdomain): what the workload template's name must be.
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def spec_problem(cd: ComputeDomain) -> str | None:
+    """Why the controller cannot act on this spec (one line naming the field and the fix), or None.
+
+    The CRD keeps the reference's schema, which does not constrain the template name; an invalid one would
+    only fail at its create, after the daemon objects exist.
+    """
+    name = cd.spec.channel.resource_claim_template.name
+    if len(name) <= 253 and _SUBDOMAIN.fullmatch(name):
+        return None
+    return (
+        f"spec.channel.resourceClaimTemplate.name {name!r} is not a valid object name (lower-case letters, digits,"
+        " '-' and '.', starting and ending alphanumeric, at most 253 characters); the spec is immutable: "
+        "delete this ComputeDomain and create it with a valid name"
+    )
+
+
 def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> Plan:
     cd = observed.cd
     if cd.metadata.deletion_timestamp is not None:
         return _teardown(observed)
+    problem = spec_problem(cd)
+    if problem is not None:
+        return Plan(stuck=("InvalidSpec", problem))
     if COMPUTE_DOMAIN_FINALIZER not in cd.metadata.finalizers:
         return _batch(AddFinalizer())
     # A child someone deleted while the domain lives: let it go, then it is recreated below.
@@ -121,21 +160,38 @@ def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> 
     if not settings.host_managed:
         if not _live(observed, ChildKind.DAEMON_TEMPLATE):
             if observed.of_kind(ChildKind.DAEMON_TEMPLATE):
-                return Plan(waiting="waiting for the deleted daemon template to go away")
+                return _waiting(observed, now, "waiting for the deleted daemon ResourceClaimTemplate to go away")
             return _batch(CreateChild(ChildKind.DAEMON_TEMPLATE, claim_templates.daemon_template(cd, settings)))
         if not _live(observed, ChildKind.DAEMONSET):
             if observed.of_kind(ChildKind.DAEMONSET):
-                return Plan(waiting="waiting for the deleted DaemonSet to go away")
+                return _waiting(observed, now, "waiting for the deleted DaemonSet to go away")
             return _batch(CreateChild(ChildKind.DAEMONSET, daemonset.daemonset(cd, settings)))
         if settings.daemon_network_policy and not observed.of_kind(ChildKind.NETWORK_POLICY):
             return _batch(CreateChild(ChildKind.NETWORK_POLICY, network_policy.network_policy(cd, settings)))
     workload = _live(observed, ChildKind.WORKLOAD_TEMPLATE)
     if not workload:
         if observed.of_kind(ChildKind.WORKLOAD_TEMPLATE):
-            return Plan(waiting="waiting for the deleted workload template to go away")
+            return _waiting(observed, now, "waiting for the deleted workload ResourceClaimTemplate to go away")
         if not observed.template_name_conflict:
             return _batch(CreateChild(ChildKind.WORKLOAD_TEMPLATE, claim_templates.workload_template(cd, settings)))
+    if not settings.host_managed and settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES):
+        stale = status.stale_entries(observed.cliques, observed.pods)
+        prunes = [PruneEntries(c, stale[c.metadata.name]) for c in observed.cliques if c.metadata.name in stale]
+        if prunes:
+            return _batch(*prunes)
     return _status_plan(observed, settings, now, workload)
+
+
+def _waiting(observed: Observed, now: datetime, waiting: str) -> Plan:
+    """Nothing to write but the status, which says what the domain waits for."""
+    new = status.build_status(observed.cd, status.waiting_verdict(waiting), _current_nodes(observed.cd), now)
+    if not status.status_differs(observed.cd.status, new):
+        return Plan(waiting=waiting)
+    return Plan((WriteStatus(new),), waiting=waiting)
+
+
+def _current_nodes(cd: ComputeDomain) -> list[ComputeDomainNode]:
+    return list(cd.status.nodes or ()) if cd.status else []
 
 
 def _live(observed: Observed, kind: ChildKind) -> tuple[Child, ...]:
@@ -152,12 +208,13 @@ def desired_status(
     elif settings.host_managed:
         verdict = status.host_managed_verdict(claim_templates.workload_template_name(cd))
     else:
+        lost = status.lost_nodes(observed.labelled_nodes)
         if settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES):
-            nodes = status.node_entries(observed.cliques, observed.pods)
+            nodes = status.node_entries(observed.cliques, observed.pods, lost)
         else:
             # The daemons own status.nodes in this mode; derive the verdict from their entries only.
-            nodes = list(cd.status.nodes or ()) if cd.status else []
-        verdict = status.assess(nodes, cd.spec.num_nodes)
+            nodes = _current_nodes(cd)
+        verdict = status.assess(nodes, cd.spec.num_nodes, lost)
     return status.build_status(cd, verdict, nodes, now)
 
 
@@ -206,7 +263,15 @@ class NameTaken:
     detail: str
 
 
-Result: TypeAlias = ComputeDomain | Child | Gone | NameTaken | None
+@dataclass(frozen=True)
+class Pruned:
+    """The clique after pruning (as the apiserver has it), and the domain's daemon pods read live."""
+
+    clique: ComputeDomainClique | None
+    pods: tuple[PodView, ...]
+
+
+Result: TypeAlias = ComputeDomain | Child | Gone | NameTaken | Pruned | None
 
 
 def fold(observed: Observed, action: Action, result: Result) -> Observed:
@@ -222,4 +287,12 @@ def fold(observed: Observed, action: Action, result: Result) -> Observed:
         return observed.with_child(result) if isinstance(result, Child) else observed.without_child(action.child.key)
     if isinstance(action, UnlabelNode):
         return replace(observed, labelled_nodes=tuple(n for n in observed.labelled_nodes if n != action.node))
+    if isinstance(action, PruneEntries):
+        # The live pods make the planner stop asking, also when the cache simply had not seen a pod yet.
+        assert isinstance(result, Pruned)
+        folded = observed.with_pods(result.pods)
+        if result.clique is None:
+            name = action.clique.metadata.name
+            return replace(folded, cliques=tuple(c for c in folded.cliques if c.metadata.name != name))
+        return folded.with_clique(result.clique)
     raise TypeError(f"unknown action {action!r}")  # pragma: no cover

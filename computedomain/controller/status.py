@@ -9,10 +9,18 @@ Where the entries come from (driverManaged):
 * with the gate off the daemons write ``status.nodes`` themselves; the controller keeps their entries as they
   are and only derives the global status and the condition from them.
 
+An entry whose Node is not Ready (lost: the node lifecycle controller set Ready to Unknown or False) is
+reported NotReady, whatever its daemon wrote last: a dead node's daemon cannot say so itself. Entries whose
+daemon pod is gone altogether (``stale_entries``) are pruned from the clique by the reconcile (confirmed
+against a live list of pods first), as the reference's controller does.
+
 Global status (SPEC section 4): ``NotReady`` while fewer entries than ``spec.numNodes`` or any entry is
 ``NotReady``, else ``Ready`` (so ``numNodes: 0`` with no daemons is Ready). hostManaged: ``Ready`` once the
 workload template exists, ``nodes`` never filled. The ``Ready`` condition carries a reason and a message
-that says why, e.g. "2 of 4 daemons ready; node gb-7: NotReady".
+that says why, e.g. "2 of 4 daemons ready; node gb-7: NotReady", "node gb-3: node lost (Ready=Unknown
+...)". Before any of that, from the first reconcile on, it says what the controller is waiting for, and a
+failure the controller cannot get past (``failure_verdict``) replaces it: e.g. reason ``Forbidden`` with the
+missing permission, ``InvalidSpec`` with the field.
 
 ``status_differs`` decides whether a write is needed: node lists compare as maps keyed by name, the
 condition by everything but its timestamp. ``transition_events`` says which Events a change deserves.
@@ -20,7 +28,7 @@ condition by everything but its timestamp. ``transition_events`` says which Even
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -33,7 +41,7 @@ from computedomain.api.models import (
     ConditionStatus,
     ReadyStatus,
 )
-from computedomain.controller.observed import PodView
+from computedomain.controller.observed import NodeView, PodView
 
 READY_CONDITION = "Ready"
 MAX_LISTED_NODES = 5
@@ -46,6 +54,7 @@ REASON_NOT_READY = "DaemonsNotReady"
 REASON_HOST_MANAGED = "HostManaged"
 REASON_CREATING = "CreatingObjects"
 REASON_TEMPLATE_CONFLICT = "TemplateNameConflict"
+REASON_WAITING_FOR_DELETION = "WaitingForDeletion"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +73,38 @@ class EventSpec:
     message: str
 
 
-def node_entries(cliques: Iterable[ComputeDomainClique], pods: Iterable[PodView]) -> list[ComputeDomainNode]:
-    """The ``status.nodes`` list from clique entries and non-fabric daemon pods, sorted for stable output."""
+def lost_nodes(nodes: Iterable[NodeView]) -> dict[str, str]:
+    """Node name -> why it is lost, for the domain's labelled nodes that are not Ready."""
+    return {n.name: n.lost for n in nodes if n.lost}
+
+
+def stale_entries(cliques: Iterable[ComputeDomainClique], pods: Iterable[PodView]) -> dict[str, tuple[str, ...]]:
+    """Clique name -> nodes whose entry has no daemon pod of the domain on that node any more (the daemon
+    died without removing its entry, and its pod is gone: node deleted, pod force-deleted)."""
+    hosted = {p.node_name for p in pods if p.node_name}
+    out: dict[str, tuple[str, ...]] = {}
+    for clique in cliques:
+        gone = tuple(sorted(d.node_name for d in clique.daemons or () if d.node_name not in hosted))
+        if gone:
+            out[clique.metadata.name] = gone
+    return out
+
+
+def node_entries(
+    cliques: Iterable[ComputeDomainClique], pods: Iterable[PodView], lost: Mapping[str, str] | None = None
+) -> list[ComputeDomainNode]:
+    """The ``status.nodes`` list from clique entries and non-fabric daemon pods, sorted for stable output.
+    Entries on ``lost`` nodes are NotReady."""
+    lost = lost or {}
     entries: dict[str, ComputeDomainNode] = {}
     for clique in sorted(cliques, key=lambda c: c.metadata.name):
         for d in clique.daemons or ():
             entries[d.node_name] = ComputeDomainNode(
-                name=d.node_name, ip_address=d.ip_address, clique_id=d.clique_id, index=d.index, status=d.status
+                name=d.node_name,
+                ip_address=d.ip_address,
+                clique_id=d.clique_id,
+                index=d.index,
+                status=ReadyStatus.NOT_READY if d.node_name in lost else d.status,
             )
     for pod in pods:
         if not pod.non_fabric or pod.terminating or not pod.node_name or not pod.pod_ip:
@@ -82,24 +116,30 @@ def node_entries(cliques: Iterable[ComputeDomainClique], pods: Iterable[PodView]
             ip_address=pod.pod_ip,
             clique_id="",
             index=-1,
-            status=ReadyStatus.READY if pod.ready else ReadyStatus.NOT_READY,
+            status=ReadyStatus.READY if pod.ready and pod.node_name not in lost else ReadyStatus.NOT_READY,
         )
     return sorted(entries.values(), key=lambda n: (n.clique_id, n.index, n.name))
 
 
-def _listed(names: Sequence[str], what: str) -> str:
-    shown = [f"node {n}: {what}" for n in names[:MAX_LISTED_NODES]]
+def _listed(names: Sequence[str], lost: Mapping[str, str]) -> str:
+    def why(name: str) -> str:
+        return f"node lost ({lost[name]})" if name in lost else "NotReady"
+
+    # Lost nodes first: they are what an operator has to act on.
+    ordered = sorted(names, key=lambda n: n not in lost)
+    shown = [f"node {n}: {why(n)}" for n in ordered[:MAX_LISTED_NODES]]
     if len(names) > MAX_LISTED_NODES:
         shown.append(f"and {len(names) - MAX_LISTED_NODES} more")
     return ", ".join(shown)
 
 
-def assess(nodes: Sequence[ComputeDomainNode], num_nodes: int) -> Verdict:
+def assess(nodes: Sequence[ComputeDomainNode], num_nodes: int, lost: Mapping[str, str] | None = None) -> Verdict:
     """The global status of a driverManaged domain and the words that explain it."""
+    lost = lost or {}
     total = len(nodes)
     ready = sum(1 for n in nodes if n.status is ReadyStatus.READY)
     not_ready = [n.name for n in nodes if n.status is not ReadyStatus.READY]
-    detail = f"; {_listed(not_ready, 'NotReady')}" if not_ready else ""
+    detail = f"; {_listed(not_ready, lost)}" if not_ready else ""
     if total < num_nodes:
         return Verdict(
             ReadyStatus.NOT_READY,
@@ -129,6 +169,15 @@ def host_managed_verdict(template_name: str) -> Verdict:
 
 def conflict_verdict(detail: str) -> Verdict:
     return Verdict(ReadyStatus.NOT_READY, REASON_TEMPLATE_CONFLICT, detail)
+
+
+def waiting_verdict(waiting: str) -> Verdict:
+    return Verdict(ReadyStatus.NOT_READY, REASON_WAITING_FOR_DELETION, waiting)
+
+
+def failure_verdict(reason: str, message: str) -> Verdict:
+    """A failure the controller cannot get past on its own: the reason and the one line that says the fix."""
+    return Verdict(ReadyStatus.NOT_READY, reason, message)
 
 
 def build_status(

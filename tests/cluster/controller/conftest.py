@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
 from computedomain.controller.app import Controller
 from computedomain.kube.client import KubeClient
 from computedomain.settings import ControllerSettings, load_settings
@@ -106,6 +107,39 @@ class Harness:
         assert code == 0, out
         created: dict[str, Any] = json.loads(out)
         return created
+
+    def daemon_pod(self, cd_uid: str, node: str, clique_id: str) -> str:
+        """A pod standing in for the domain's IMEX daemon on ``node`` (kwok runs it): the controller keeps the
+        clique entries of nodes that have one and prunes the others. Its controller is a ConfigMap, so the
+        domain's DaemonSet neither adopts nor deletes it (the node carries no CD label)."""
+        code, out = self.cluster.create(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"stand-in-{node}"}}, self.driver_ns
+        )
+        assert code == 0, out
+        owner = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "name": f"stand-in-{node}",
+            "uid": json.loads(out)["metadata"]["uid"],
+            "controller": True,
+        }
+        name = f"daemon-{node}"
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "labels": {COMPUTE_DOMAIN_LABEL: cd_uid, CLIQUE_LABEL: clique_id},
+                "ownerReferences": [owner],
+            },
+            "spec": {
+                "nodeName": node,
+                "tolerations": [{"operator": "Exists"}],
+                "containers": [{"name": "compute-domain-daemon", "image": "compute-domain-daemon:test"}],
+            },
+        }
+        self.cluster.apply(pod, self.driver_ns)
+        return name
 
     def settings(self, **env: str) -> ControllerSettings:
         return load_settings(ControllerSettings, [], environ=env_for(self.cluster, self.driver_ns, **env))

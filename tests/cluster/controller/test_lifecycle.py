@@ -98,9 +98,10 @@ async def test_create_then_delete(harness: Harness, make_node: MakeNode) -> None
         assert children_of(h, uid) == {"daemonsets": [], "resourceclaimtemplates": [], "nodes": []}
 
 
-async def test_numnodes_and_status_from_cliques(harness: Harness) -> None:
+async def test_numnodes_and_status_from_cliques(harness: Harness, make_node: MakeNode) -> None:
     """Daemons write their entries into ComputeDomainClique objects; the controller aggregates them."""
     h = harness
+    gb_a, gb_b = (make_node(clique="c0ffee.1")["metadata"]["name"] for _ in range(2))
     async with h.controller():
         uid = h.create_cd("beta", num_nodes=2)["metadata"]["uid"]
 
@@ -124,9 +125,11 @@ async def test_numnodes_and_status_from_cliques(harness: Harness) -> None:
                 "labels": {COMPUTE_DOMAIN_LABEL: uid, "resource.nvidia.com/computeDomain.cliqueID": "c0ffee.1"},
             },
             "daemons": [
-                {"nodeName": "gb-a", "ipAddress": "10.1.0.1", "cliqueID": "c0ffee.1", "index": 0, "status": "Ready"}
+                {"nodeName": gb_a, "ipAddress": "10.1.0.1", "cliqueID": "c0ffee.1", "index": 0, "status": "Ready"}
             ],
         }
+        for node in (gb_a, gb_b):
+            h.daemon_pod(uid, node, "c0ffee.1")
         h.cluster.apply(clique)
         await eventually(lambda: len(status().get("nodes", [])) == 1 or None, what="one entry")
         assert status()["status"] == "NotReady" and "1 of 2 expected daemons registered" in cond()["message"]
@@ -139,24 +142,24 @@ async def test_numnodes_and_status_from_cliques(harness: Harness) -> None:
             patch = json.dumps({"daemons": body})
             h.kubectl("patch", "computedomainclique", f"{uid}.c0ffee.1", "-n", h.driver_ns, "--type=merge", "-p", patch)
 
-        set_daemons(("gb-a", "10.1.0.1", 0, "Ready"), ("gb-b", "10.1.0.2", 1, "Ready"))
+        set_daemons((gb_a, "10.1.0.1", 0, "Ready"), (gb_b, "10.1.0.2", 1, "Ready"))
         await eventually(lambda: status().get("status") == "Ready" or None, what="Ready")
         assert [(n["name"], n["index"], n["status"]) for n in status()["nodes"]] == [
-            ("gb-a", 0, "Ready"),
-            ("gb-b", 1, "Ready"),
+            (gb_a, 0, "Ready"),
+            (gb_b, 1, "Ready"),
         ]
         assert cond()["reason"] == "DaemonsReady" and cond()["message"] == "2 of 2 daemons ready"
 
-        set_daemons(("gb-a", "10.1.0.1", 0, "Ready"), ("gb-b", "10.1.0.2", 1, "NotReady"))
+        set_daemons((gb_a, "10.1.0.1", 0, "Ready"), (gb_b, "10.1.0.2", 1, "NotReady"))
         await eventually(lambda: status().get("status") == "NotReady" or None, what="NotReady again")
-        assert cond()["message"] == "1 of 2 daemons ready; node gb-b: NotReady"
+        assert cond()["message"] == f"1 of 2 daemons ready; node {gb_b}: NotReady"
         warnings = await eventually(
             lambda: [m for t, r, m in events_for(h, "beta") if t == "Warning" and r == "NotReady"] or None,
             what="Warning event",
         )
-        assert "node gb-b: NotReady" in warnings[0]
+        assert f"node {gb_b}: NotReady" in warnings[0]
 
         set_daemons()
         await eventually(lambda: "nodes" not in status() or None, what="nodes omitted when empty")
         assert status()["status"] == "NotReady"
-        # index 0 is serialized (checked above: ("gb-a", 0, ...)), and the list is omitted when empty.
+        # index 0 is serialized (checked above: (gb_a, 0, ...)), and the list is omitted when empty.

@@ -16,6 +16,8 @@ from computedomain.controller.reconcile import (
     DeleteChild,
     Gone,
     NameTaken,
+    Pruned,
+    PruneEntries,
     ReleaseChild,
     RemoveFinalizer,
     Result,
@@ -23,6 +25,7 @@ from computedomain.controller.reconcile import (
     WriteStatus,
     desired,
     fold,
+    spec_problem,
 )
 from computedomain.settings import ControllerSettings
 from tests.unit.controller.helpers import (
@@ -33,6 +36,7 @@ from tests.unit.controller.helpers import (
     compute_domain,
     host_settings,
     node,
+    pod,
     settings,
 )
 
@@ -183,7 +187,8 @@ def test_status_follows_cliques() -> None:
     _, ready = walk(Observed(cd=compute_domain(finalizers=(), num_nodes=2)), settings())
     assert ready.cd.status is not None and ready.cd.status.status is ReadyStatus.NOT_READY
     entries = clique("c.1", ("gb-1", "10.0.0.1", 0, "Ready"), ("gb-2", "10.0.0.2", 1, "Ready"))
-    plan = desired(replace(ready, cliques=(entries,)), settings(), NOW)
+    daemons = (pod("gb-1", clique_id="c.1"), pod("gb-2", clique_id="c.1"))
+    plan = desired(replace(ready, cliques=(entries,), pods=daemons), settings(), NOW)
     (write,) = plan.actions
     assert isinstance(write, WriteStatus)
     assert write.status.status is ReadyStatus.READY
@@ -220,3 +225,83 @@ def test_fold_unknown_cd_result_keeps_snapshot() -> None:
     observed = Observed(cd=compute_domain())
     assert fold(observed, AddFinalizer(), None) is observed
     assert isinstance(observed.cd, ComputeDomain)
+
+
+def test_an_entry_whose_daemon_pod_is_gone_is_pruned_before_the_status_is_written() -> None:
+    _, ready = walk(Observed(cd=compute_domain(finalizers=(), num_nodes=2)), settings())
+    entries = clique("c.1", ("gb-1", "10.0.0.1", 0, "Ready"), ("gb-2", "10.0.0.2", 1, "Ready"))
+    observed = replace(ready, cliques=(entries,), pods=(pod("gb-1", clique_id="c.1"),))
+    (prune,) = desired(observed, settings(), NOW).actions
+    assert isinstance(prune, PruneEntries) and prune.nodes == ("gb-2",)
+    pruned = entries.model_copy(update={"daemons": (entries.daemons or [])[:1]})
+    after = fold(observed, prune, Pruned(pruned, (pod("gb-1", clique_id="c.1"),)))
+    (write,) = desired(after, settings(), NOW).actions
+    assert isinstance(write, WriteStatus)
+    assert [n.name for n in write.status.nodes or ()] == ["gb-1"]
+    assert write.status.status is ReadyStatus.NOT_READY, "1 of numNodes=2"
+
+
+def test_a_pod_the_cache_had_not_seen_stops_the_pruning() -> None:
+    """The live list found the pod: nothing is removed, and the planner does not ask again."""
+    _, ready = walk(Observed(cd=compute_domain(finalizers=())), settings())
+    entries = clique("c.1", ("gb-1", "10.0.0.1", 0, "Ready"))
+    observed = replace(ready, cliques=(entries,))
+    (prune,) = desired(observed, settings(), NOW).actions
+    after = fold(observed, prune, Pruned(entries, (pod("gb-1", clique_id="c.1"),)))
+    (write,) = desired(after, settings(), NOW).actions
+    assert isinstance(write, WriteStatus) and [n.name for n in write.status.nodes or ()] == ["gb-1"]
+
+
+def test_a_lost_node_is_named_in_the_condition() -> None:
+    _, ready = walk(Observed(cd=compute_domain(finalizers=(), num_nodes=2)), settings())
+    entries = clique("c.1", ("gb-1", "10.0.0.1", 0, "Ready"), ("gb-2", "10.0.0.2", 1, "Ready"))
+    lost = replace(node("gb-2"), lost="Ready=Unknown since 2026-11-29T11:59:00Z: NodeStatusUnknown")
+    observed = replace(
+        ready,
+        cliques=(entries,),
+        pods=(pod("gb-1", clique_id="c.1"), pod("gb-2", clique_id="c.1")),
+        labelled_nodes=(node("gb-1"), lost),
+    )
+    (write,) = desired(observed, settings(), NOW).actions
+    assert isinstance(write, WriteStatus) and write.status.status is ReadyStatus.NOT_READY
+    assert {n.name: n.status for n in write.status.nodes or ()} == {
+        "gb-1": ReadyStatus.READY,
+        "gb-2": ReadyStatus.NOT_READY,
+    }
+    cond = (write.status.conditions or [])[0]
+    assert cond.message == (
+        "1 of 2 daemons ready; node gb-2: node lost (Ready=Unknown since 2026-11-29T11:59:00Z: NodeStatusUnknown)"
+    )
+
+
+@pytest.mark.parametrize("name", ["Bad_Name", "UPPER", "-x", "x" * 254, "a..b"])
+def test_an_invalid_template_name_is_stuck_before_anything_is_written(name: str) -> None:
+    plan = desired(Observed(cd=compute_domain(finalizers=(), template=name)), settings(), NOW)
+    assert not plan.actions, "nothing half-created, not even the finalizer"
+    assert plan.stuck is not None
+    reason, message = plan.stuck
+    assert reason == "InvalidSpec"
+    assert message.startswith(f"spec.channel.resourceClaimTemplate.name {name!r} is not a valid object name")
+    assert "delete this ComputeDomain and create it with a valid name" in message
+
+
+@pytest.mark.parametrize("name", ["imex-channel-0", "a", "a.b-c.d", "x" * 253])
+def test_valid_template_names(name: str) -> None:
+    assert spec_problem(compute_domain(template=name)) is None
+
+
+def test_a_wait_is_written_to_the_status() -> None:
+    observed = Observed(
+        cd=compute_domain(), children=(child(ChildKind.DAEMON_TEMPLATE, terminating=True, finalizers=("x/y",)),)
+    )
+    plan = desired(observed, settings(), NOW)
+    (write,) = plan.actions
+    assert isinstance(write, WriteStatus)
+    cond = (write.status.conditions or [])[0]
+    assert (cond.reason, cond.message) == (
+        "WaitingForDeletion",
+        "waiting for the deleted daemon ResourceClaimTemplate to go away",
+    )
+    written = fold(observed, write, apiserver(observed, write))
+    again = desired(written, settings(), NOW)
+    assert not again.actions and again.waiting, "written once, then only waiting"

@@ -112,3 +112,29 @@ def test_transition_events() -> None:
     # Same verdict again: nothing new to tell.
     was_down = cd.model_copy(update={"status": down})
     assert status.transition_events(was_down, down) == []
+
+
+def test_a_node_that_is_not_ready_is_lost() -> None:
+    from computedomain.controller.observed import decode_node
+
+    def raw(ready: str | None) -> dict[str, object]:
+        conditions = (
+            []
+            if ready is None
+            else [
+                {
+                    "type": "Ready",
+                    "status": ready,
+                    "reason": "NodeStatusUnknown",
+                    "lastTransitionTime": "2026-11-29T12:00:00Z",
+                }
+            ]
+        )
+        return {"metadata": {"name": "gb-1", "resourceVersion": "1"}, "status": {"conditions": conditions}}
+
+    assert decode_node(raw("True")).lost == ""
+    assert decode_node(raw(None)).lost == "", "no condition yet: not known to be lost"
+    assert decode_node(raw("Unknown")).lost == "Ready=Unknown since 2026-11-29T12:00:00Z: NodeStatusUnknown"
+    assert status.lost_nodes([decode_node(raw("False")), decode_node(raw("True"))]) == {
+        "gb-1": "Ready=False since 2026-11-29T12:00:00Z: NodeStatusUnknown"
+    }

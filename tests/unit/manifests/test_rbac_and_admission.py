@@ -48,7 +48,7 @@ CONTROLLER = (
     | _v("", "events", "create", "patch")
     | _v("apps", "daemonsets", *READ, "create", "patch", "delete")
     | _v("", "pods", *READ)
-    | _v("resource.nvidia.com", "computedomaincliques", *READ, "delete")
+    | _v("resource.nvidia.com", "computedomaincliques", *READ, "update", "delete")
     | _v("coordination.k8s.io", "leases", "create", "get", "list", "watch", "update")
 )
 # driverManaged only: the daemons' per-domain NetworkPolicies.
