@@ -16,9 +16,10 @@ What it owns:
   ComputeDomain in legacy mode) through an informer, re-registers us when our entry is missing or stale
   (deleted object, pruned entry, new pod IP), and applies ``decide``'s plan: files first, then the process.
 
-Concurrency: one task. The informer's handlers only set an ``asyncio.Event``; the loop then works on the
-newest stored object, so a burst of events becomes one pass (level-based, no periodic resync). Failures of a
-pass (API errors, a full clique) are logged and retried with backoff; the next event also retries.
+Concurrency: a one-key convergence loop (``kube.converge``). The informer's handlers only add the key; a pass
+works on the newest stored object, so a burst of events becomes one pass (level-based, no periodic resync).
+A failed pass (API errors, a full clique) is retried with backoff, quietly at first, with one warning when it
+keeps failing; a refusal (403) waits for the next event or the long recheck.
 """
 
 from __future__ import annotations
@@ -33,18 +34,20 @@ from pathlib import Path
 from computedomain.api.limits import brief, shown
 from computedomain.atomic import write_atomically
 from computedomain.kube.client import KubeClient, Raw
-from computedomain.kube.clock import Clock, MonotonicClock
-from computedomain.kube.errors import KubeError
+from computedomain.kube.clock import Clock
+from computedomain.kube.converge import DONE, ReconcileResult
 from computedomain.kube.informer import Informer
 from imex.config import render_nodes_cfg_ips
-from imex.daemon.loop import run_on_changes
 from imex.daemon.process import ImexProcess
-from imex.daemon.registration import DaemonEntry, RegistrationError, Registry
-from imex.hosts_file import HostEntry, HostsFileError, is_ip_address, slot_entries, update_hosts_file
+from imex.daemon.registration import DaemonEntry, Registry
+from imex.daemon.settings import DEFAULT_RETRIES, Retries
+from imex.hosts_file import HostEntry, is_ip_address, slot_entries, update_hosts_file
 
-__all__ = ["Action", "Applied", "Decision", "PeerSync", "PeerView", "decide", "peer_view"]
+__all__ = ["DEFAULT_RETRIES", "Action", "Applied", "Decision", "PeerSync", "PeerView", "Retries", "decide", "peer_view"]
 
 log = logging.getLogger(__name__)
+
+_KEY = "peers"
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,7 @@ class PeerSync:
         files: PeerFiles,
         *,
         dns_names: bool,
+        retries: Retries = DEFAULT_RETRIES,
         clock: Clock | None = None,
     ) -> None:
         self._client = client
@@ -184,8 +188,6 @@ class PeerSync:
         self.process = process
         self.files = files
         self.dns_names = dns_names
-        self._clock: Clock = clock or MonotonicClock()
-        self._changed = asyncio.Event()
         self.applied = Applied()
         b = registry.backend
         self.informer: Informer[Raw] = Informer(
@@ -196,10 +198,11 @@ class PeerSync:
             field_selector=f"metadata.name={b.name}",
             name=f"peers/{b.name}",
         )
+        self.loop = retries.loop(f"peers/{b.name}", self._reconcile, clock)
         self.informer.add_handler(
-            on_add=lambda _o: self._changed.set(),
-            on_update=lambda _o, _n: self._changed.set(),
-            on_delete=lambda _o: self._changed.set(),
+            on_add=lambda _o: self.loop.add(_KEY),
+            on_update=lambda _o, _n: self.loop.add(_KEY),
+            on_delete=lambda _o: self.loop.add(_KEY),
         )
         self.passes = 0
 
@@ -214,15 +217,12 @@ class PeerSync:
 
     async def _loop(self) -> None:
         await self.informer.has_synced()
-        await run_on_changes(
-            self._changed,
-            self.sync_once,
-            retry_on=(KubeError, RegistrationError, HostsFileError, OSError),
-            clock=self._clock,
-            first_delay=0.5,
-            max_delay=30.0,
-            what="peer sync",
-        )
+        self.loop.add(_KEY)
+        await self.loop.run()
+
+    async def _reconcile(self, _key: str) -> ReconcileResult:
+        await self.sync_once()
+        return DONE
 
     async def sync_once(self) -> Decision:
         self.passes += 1

@@ -9,10 +9,10 @@ event, and each event is mirrored at once; there is no periodic resync to wait f
 What it owns: ``pod_status`` (pure: phase Running and condition Ready=True -> Ready; a pod with another UID
 -- a replacement that reused the name -- is not ours and yields None), and ``ReadinessMirror``, the loop.
 
-Concurrency: one task plus its informer task. The informer's handler only sets an event; the loop reads the
-newest stored pod, so a flurry of status updates becomes one write. Writes go through the shared
-``Registry`` (its lock orders them against the peer loop's registrations). A failed write is retried with
-backoff; a newer event supersedes it.
+Concurrency: a one-key convergence loop (``kube.converge``) plus its informer task. The informer's handler
+only adds the key; a pass reads the newest stored pod, so a flurry of status updates becomes one write.
+Writes go through the shared ``Registry`` (its lock orders them against the peer loop's registrations). A
+failed write is retried with backoff; a newer event supersedes it.
 """
 
 from __future__ import annotations
@@ -24,15 +24,17 @@ from typing import Any
 
 from computedomain.api.models import ReadyStatus
 from computedomain.kube.client import PODS, KubeClient, Raw
-from computedomain.kube.clock import Clock, MonotonicClock
-from computedomain.kube.errors import KubeError
+from computedomain.kube.clock import Clock
+from computedomain.kube.converge import DONE, ReconcileResult
 from computedomain.kube.informer import Informer
-from imex.daemon.loop import run_on_changes
-from imex.daemon.registration import RegistrationError, Registry
+from imex.daemon.registration import Registry
+from imex.daemon.settings import DEFAULT_RETRIES, Retries
 
 __all__ = ["ReadinessMirror", "pod_status"]
 
 log = logging.getLogger(__name__)
+
+_KEY = "readiness"
 
 
 def pod_status(pod: Mapping[str, Any] | None, pod_uid: str) -> ReadyStatus | None:
@@ -59,14 +61,14 @@ class ReadinessMirror:
         namespace: str,
         pod_name: str,
         pod_uid: str,
+        retries: Retries = DEFAULT_RETRIES,
         clock: Clock | None = None,
     ) -> None:
         self.registry = registry
         self.namespace = namespace
         self.pod_name = pod_name
         self.pod_uid = pod_uid
-        self._clock: Clock = clock or MonotonicClock()
-        self._changed = asyncio.Event()
+        self.loop = retries.loop(f"readiness/{pod_name}", self._reconcile, clock)
         self.informer: Informer[Raw] = Informer(
             client,
             PODS,
@@ -76,8 +78,8 @@ class ReadinessMirror:
             name=f"own-pod/{pod_name}",
         )
         self.informer.add_handler(
-            on_add=lambda _o: self._changed.set(),
-            on_update=lambda _o, _n: self._changed.set(),
+            on_add=lambda _o: self.loop.add(_KEY),
+            on_update=lambda _o, _n: self.loop.add(_KEY),
         )
         self.writes = 0
 
@@ -88,15 +90,12 @@ class ReadinessMirror:
 
     async def _loop(self) -> None:
         await self.informer.has_synced()
-        await run_on_changes(
-            self._changed,
-            self.mirror_once,
-            retry_on=(KubeError, RegistrationError),
-            clock=self._clock,
-            first_delay=0.2,
-            max_delay=10.0,
-            what="readiness write",
-        )
+        self.loop.add(_KEY)
+        await self.loop.run()
+
+    async def _reconcile(self, _key: str) -> ReconcileResult:
+        await self.mirror_once()
+        return DONE
 
     async def mirror_once(self) -> ReadyStatus | None:
         status = pod_status(self.informer.get(self.pod_name, self.namespace), self.pod_uid)

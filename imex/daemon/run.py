@@ -127,9 +127,15 @@ def build(settings: DaemonSettings, client: KubeClient) -> Daemon:
         nodes_cfg=settings.nodes_cfg_path,
         max_nodes=settings.max_nodes,
     )
-    peers = PeerSync(client, registry, process, files, dns_names=settings.dns_names)
+    retries = settings.retries
+    peers = PeerSync(client, registry, process, files, dns_names=settings.dns_names, retries=retries)
     readiness = ReadinessMirror(
-        client, registry, namespace=settings.pod_namespace, pod_name=settings.pod_name, pod_uid=settings.pod_uid
+        client,
+        registry,
+        namespace=settings.pod_namespace,
+        pod_name=settings.pod_name,
+        pod_uid=settings.pod_uid,
+        retries=retries,
     )
     return Daemon(settings, client, registry, process, peers, readiness)
 
