@@ -14,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections.abc import Awaitable
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-__all__ = ["Clock", "FakeClock", "MonotonicClock", "utcnow"]
+__all__ = ["Clock", "FakeClock", "MonotonicClock", "run_within", "utcnow"]
+
+T = TypeVar("T")
 
 
 def utcnow() -> datetime:
@@ -89,3 +92,24 @@ class FakeClock:
                 await self.settle()
         self._now = target
         await self.settle()
+
+
+async def run_within(clock: Clock, seconds: float, aw: Awaitable[T]) -> T:
+    """Await ``aw``; after ``seconds`` on ``clock`` cancel it and raise ``TimeoutError`` (``asyncio.timeout``
+    measured by an injectable clock). A cancellation of the caller cancels ``aw`` too and is re-raised."""
+    task = asyncio.ensure_future(aw)
+    timer = asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        done, _ = await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        timer.cancel()
+        await asyncio.wait({task, timer})
+        raise
+    timer.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.wait({task})
+        if task.cancelled():
+            raise TimeoutError(f"no result within {seconds:g}s")
+    return task.result()

@@ -2,8 +2,9 @@
 
 Kubernetes-independent building blocks: `grpc_server` (kubelet-facing sockets, the only grpc user),
 `preparer` (the version-free request/result contract), `checkpoint` (crash-safe node-local state),
-`cdi` (per-claim CDI specs), `opaque` (which config applies to which allocated device), `prepare` (the
-Prepare/Unprepare algorithm over injected collaborators). Generated protobuf modules live in `proto/`.
+`cdi` (per-claim CDI specs), `opaque` (which config applies to which allocated device), and Prepare itself,
+one unit per job, read in this order: `collaborators`, `failures`, `claim_plan`, `side_effects`, `budget`,
+`prepare` (its docstring is the map). Generated protobuf modules live in `proto/`.
 
 The agent around them: `claims`, `domains` (CD cache, watch-driven daemon readiness), `node_labels`,
 `resourceslice`, `clique_label`, `cleanup`, and `app` (the process, `python -m computedomain kubelet-plugin`).

@@ -44,16 +44,18 @@ from computedomain.http import EndpointError, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import Informer
+from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.cdi_base import base_edits, write_base_spec
 from computedomain.plugin.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointStore
 from computedomain.plugin.claims import KubeClaimReader
 from computedomain.plugin.cleanup import Cleanup
 from computedomain.plugin.clique_label import CliqueLabeler, NodeHardware
+from computedomain.plugin.collaborators import HostCheck
 from computedomain.plugin.domains import DaemonReadinessWatch, DomainCache
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.node_labels import NodeLabels
-from computedomain.plugin.prepare import HostCheck, Preparer, PreparerConfig
+from computedomain.plugin.prepare import Preparer, PreparerConfig
 from computedomain.plugin.resourceslice import SlicePublisher, published_devices
 from computedomain.settings import FeatureGate, PluginSettings
 from imex.discovery import HardwareDiscovery, HardwareError, check_driver_for_dns_names
@@ -118,7 +120,10 @@ class NodeAgent:
             host_check = self._host_check
         self.preparer = Preparer(
             PreparerConfig(
-                node_name=settings.node_name, plugin_dir=self.plugin_dir, host_managed=settings.host_managed
+                node_name=settings.node_name,
+                plugin_dir=self.plugin_dir,
+                host_managed=settings.host_managed,
+                budget=Budget(settings.prepare_budget, settings.prepare_backoff_initial, settings.prepare_backoff_max),
             ),
             store=self.store,
             cdi_dir=self.cdi,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from computedomain.kube.client import RESOURCE_CLAIMS, KubeClient
 from computedomain.kube.errors import NotFound
-from computedomain.plugin.prepare import ClaimNotFoundError, ClaimSnapshot
+from computedomain.plugin.collaborators import ClaimSnapshot
+from computedomain.plugin.failures import ClaimNotFoundError
 
 
 class KubeClaimReader:
-    """`prepare.ClaimReader` over the API server."""
+    """`collaborators.ClaimReader` over the API server."""
 
     def __init__(self, client: KubeClient) -> None:
         self._client = client

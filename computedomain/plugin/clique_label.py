@@ -1,6 +1,6 @@
 """This node's NVLink clique: the value Prepare uses, and the `nvidia.com/gpu.clique` node label.
 
-- `NodeHardware` is what Prepare asks about the hardware (`prepare.Hardware`): the current clique ID and the
+- `NodeHardware` is what Prepare asks about the hardware (`collaborators.Hardware`): the current clique ID and the
   IMEX device facts, read through `imex.discovery`. The clique ID is read at start and refreshed
   periodically (upstream #1433): a new non-empty value replaces the old one, an empty or failed read never
   clears a known clique (a Fabric Manager hiccup must not turn a fabric node into a non-fabric one while
@@ -36,7 +36,7 @@ def desired_label(clique_id: str) -> str | None:
 
 
 class NodeHardware:
-    """`prepare.Hardware` over a `HardwareDiscovery`, with the clique ID held between refreshes."""
+    """`collaborators.Hardware` over a `HardwareDiscovery`, with the clique ID held between refreshes."""
 
     def __init__(self, discovery: HardwareDiscovery, *, crash_on_fabric_errors: bool) -> None:
         self.discovery = discovery

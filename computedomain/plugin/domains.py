@@ -27,7 +27,8 @@ from typing import Final
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, ReadyStatus, clique_name
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient
 from computedomain.kube.informer import Informer
-from computedomain.plugin.prepare import DomainInfo, NotReadyError, RetryableError
+from computedomain.plugin.collaborators import DomainInfo
+from computedomain.plugin.failures import NotReadyError, RetryableError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def _info(cd: ComputeDomain) -> DomainInfo:
 
 
 class DomainCache:
-    """`prepare.DomainLookup`: ComputeDomains of all namespaces by UID."""
+    """`collaborators.DomainLookup`: ComputeDomains of all namespaces by UID."""
 
     def __init__(self, client: KubeClient) -> None:
         self._client = client
@@ -123,7 +124,7 @@ def evaluate(
 
 
 class DaemonReadinessWatch:
-    """`prepare.DaemonReadiness`, driven by ComputeDomainClique and ComputeDomain watch events."""
+    """`collaborators.DaemonReadiness`, driven by ComputeDomainClique and ComputeDomain watch events."""
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from typing import Any, Final
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.errors import Conflict
 from computedomain.kube.informer import Informer
-from computedomain.plugin.prepare import LabelConflictError
+from computedomain.plugin.failures import LabelConflictError
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ _MAX_CONFLICTS: Final = 5
 
 
 class NodeLabels:
-    """`prepare.NodeLabeler` for one node. With `informer` (a watch of this Node), a label that is already in
+    """`collaborators.NodeLabeler` for one node. With `informer` (a watch of this Node), a label that is already in
     place costs no request; every write and every removal decision still reads the Node live."""
 
     def __init__(self, client: KubeClient, node_name: str, informer: Informer[Raw] | None = None) -> None:

@@ -10,17 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from computedomain.api.constants import DRIVER_NAME
+from computedomain.kube.clock import Clock, MonotonicClock, run_within
+from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CapabilityDevice, CdiSpecDir
 from computedomain.plugin.checkpoint import CheckpointStore
-from computedomain.plugin.prepare import (
-    ClaimNotFoundError,
-    ClaimSnapshot,
-    DomainInfo,
-    LabelConflictError,
-    NotReadyError,
-    Preparer,
-    PreparerConfig,
-)
+from computedomain.plugin.collaborators import ClaimSnapshot, DomainInfo
+from computedomain.plugin.failures import ClaimNotFoundError, LabelConflictError, NotReadyError
+from computedomain.plugin.prepare import Preparer, PreparerConfig
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
 
 NODE = "gb-r0-t00"
@@ -100,10 +96,12 @@ class FakeLabels:
     def __init__(self) -> None:
         self.labels: dict[str, str] = {}
         self.writes = 0
+        self.conflicts = 0
 
     async def ensure_label(self, key: str, value: str) -> None:
         current = self.labels.get(key)
         if current is not None and current != value:
+            self.conflicts += 1
             raise LabelConflictError(f"node carries {key}={current} of another ComputeDomain")
         if current is None:
             self.writes += 1
@@ -118,9 +116,10 @@ class FakeLabels:
 
 
 class FakeReadiness:
-    """Ready domains are in `ready`; `set_ready` releases waiters."""
+    """Ready domains are in `ready`; `set_ready` releases waiters. Timeouts are measured by `clock`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         self.ready: set[str] = set()
         self._changed = asyncio.Event()
         self.waits = 0
@@ -129,19 +128,17 @@ class FakeReadiness:
         self.ready.add(uid)
         self._changed.set()
 
+    async def _until_ready(self, uid: str) -> None:
+        while uid not in self.ready:
+            self._changed.clear()
+            await self._changed.wait()
+
     async def wait_ready(self, domain: DomainInfo, clique_id: str, timeout_s: float) -> None:
         self.waits += 1
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while domain.uid not in self.ready:
-            self._changed.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise NotReadyError(f"node {NODE} not ready in ComputeDomain {domain.namespace}/{domain.name}")
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                continue
+        try:
+            await run_within(self.clock, max(timeout_s, 0.0), self._until_ready(domain.uid))
+        except TimeoutError:
+            raise NotReadyError(f"node {NODE} not ready in ComputeDomain {domain.namespace}/{domain.name}") from None
 
 
 class FakeHardware:
@@ -164,7 +161,8 @@ class FakeHardware:
 
 
 class Bed:
-    """A Preparer over fakes and a real checkpoint + CDI dir in tmp_path."""
+    """A Preparer over fakes and a real checkpoint + CDI dir in tmp_path. Unit tests pass a FakeClock (the
+    budget, backoff and readiness timeouts then end when the test says); benchmarks keep real time."""
 
     def __init__(
         self,
@@ -175,7 +173,9 @@ class Bed:
         budget_s: float = 1.5,
         host_check: Callable[[], Awaitable[None]] | None = None,
         boot_id: str = "boot-1",
+        clock: Clock | None = None,
     ) -> None:
+        self.clock: Clock = clock or MonotonicClock()
         self.tmp = tmp_path
         self.plugin_dir = tmp_path / "plugins" / DRIVER_NAME
         self.boot_id_file = tmp_path / "boot_id"
@@ -186,16 +186,14 @@ class Bed:
         self.claims = FakeClaims()
         self.domains = FakeDomains()
         self.labels = FakeLabels()
-        self.readiness = FakeReadiness()
+        self.readiness = FakeReadiness(self.clock)
         self.hardware = FakeHardware(clique)
         self.preparer = Preparer(
             PreparerConfig(
                 node_name=NODE,
                 plugin_dir=self.plugin_dir,
                 host_managed=host_managed,
-                budget_s=budget_s,
-                backoff_initial_s=0.01,
-                backoff_max_s=0.05,
+                budget=Budget(budget_s, backoff_initial=0.01, backoff_max=0.05),
             ),
             store=self.store,
             cdi_dir=self.cdi,
@@ -205,10 +203,12 @@ class Bed:
             readiness=self.readiness,
             hardware=self.hardware,
             host_check=host_check,
+            clock=self.clock,
         )
 
     def set_budget(self, budget_s: float) -> None:
-        self.preparer.config = dataclasses.replace(self.preparer.config, budget_s=budget_s)
+        budget = dataclasses.replace(self.preparer.config.budget, seconds=budget_s)
+        self.preparer.config = dataclasses.replace(self.preparer.config, budget=budget)
 
     def channel_claim(self, domain: DomainInfo, mode: str | None = None, **extra: Any) -> ClaimRef:
         name = f"worker-channel-{uuid.uuid4().hex[:5]}"

@@ -16,8 +16,8 @@ from computedomain.plugin.cdi import ClaimSpec, channel_edits
 from computedomain.plugin.checkpoint import ClaimState, NodeLabel, PreparedResource, begin_prepare
 from computedomain.plugin.cleanup import Cleanup
 from computedomain.plugin.clique_label import NodeHardware, desired_label
+from computedomain.plugin.collaborators import DomainInfo
 from computedomain.plugin.domains import evaluate
-from computedomain.plugin.prepare import DomainInfo
 from computedomain.plugin.resourceslice import plan, published_devices, slice_name
 from imex.discovery import Discovery, FabricNotReadyError, FabricState, GpuFabricInfo
 from imex.procfs import ProcFS

@@ -1,17 +1,60 @@
-"""The Preparer (SPEC section 6) over in-memory collaborators and a real checkpoint and CDI directory."""
+"""The Preparer (SPEC section 6) over in-memory collaborators and a real checkpoint and CDI directory.
+
+Time is a fake clock: budgets, backoff and readiness timeouts end when ``drive`` moves it. The only real
+waiting is for the checkpoint's worker threads, bounded by a guard."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
+from computedomain.kube.clock import FakeClock
 from computedomain.plugin.checkpoint import ClaimState
-from computedomain.plugin.prepare import RetryableError
+from computedomain.plugin.failures import RetryableError
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
 from tests.unit.plugin.fakes import CLIQUE, NODE, Bed, channel_params, claim_status
+
+pytestmark = pytest.mark.timeout(30)
+
+T = TypeVar("T")
+GUARD_S = 10.0
+
+
+def fake_bed(tmp_path: Path, **kwargs: Any) -> Bed:
+    return Bed(tmp_path, clock=FakeClock(), **kwargs)
+
+
+def fake(bed: Bed) -> FakeClock:
+    assert isinstance(bed.clock, FakeClock)
+    return bed.clock
+
+
+async def until(what: str, predicate: Callable[[], bool]) -> None:
+    """Wait for something the code under test does (it may be in a worker thread); real time, guarded."""
+    deadline = time.monotonic() + GUARD_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
+async def drive(bed: Bed, task: asyncio.Task[T], step: float = 0.05) -> T:
+    """Move fake time in steps until ``task`` is done; between steps let the event loop and worker threads run."""
+    deadline = time.monotonic() + GUARD_S
+    while not task.done():
+        assert time.monotonic() < deadline, "the task did not finish"
+        await asyncio.sleep(0.001)
+        await fake(bed).advance(step)
+    return task.result()
+
+
+def start(coro: Any) -> asyncio.Task[Any]:
+    return asyncio.ensure_future(coro)
 
 
 def spec_nodes(bed: Bed, uid: str) -> list[dict[str, object]]:
@@ -23,7 +66,7 @@ def spec_nodes(bed: Bed, uid: str) -> list[dict[str, object]]:
 
 
 async def test_ready_domain_channel_claim(tmp_path: Path) -> None:
-    bed = Bed(tmp_path)
+    bed = fake_bed(tmp_path)
     cd = bed.domains.add("team-a")
     bed.readiness.set_ready(cd.uid)
     ref = bed.channel_claim(cd)
@@ -44,7 +87,7 @@ async def test_ready_domain_channel_claim(tmp_path: Path) -> None:
 
 
 async def test_all_mode_injects_every_channel(tmp_path: Path) -> None:
-    bed = Bed(tmp_path)
+    bed = fake_bed(tmp_path)
     cd = bed.domains.add("team-a")
     bed.readiness.set_ready(cd.uid)
     ref = bed.channel_claim(cd, "All")
@@ -53,11 +96,11 @@ async def test_all_mode_injects_every_channel(tmp_path: Path) -> None:
 
 
 async def test_prepare_waits_for_this_nodes_daemon(tmp_path: Path) -> None:
-    bed = Bed(tmp_path, budget_s=10)
+    bed = fake_bed(tmp_path, budget_s=10)
     cd = bed.domains.add("team-a")
     ref = bed.channel_claim(cd)
     task = asyncio.create_task(bed.preparer.prepare([ref]))
-    await asyncio.sleep(0.3)
+    await until("the readiness wait", lambda: bed.readiness.waits == 1)
     assert not task.done()
     # The label is there before the daemon is: it is what brings the daemon to this node.
     assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
@@ -68,10 +111,10 @@ async def test_prepare_waits_for_this_nodes_daemon(tmp_path: Path) -> None:
 
 
 async def test_not_ready_within_budget_is_left_out(tmp_path: Path) -> None:
-    bed = Bed(tmp_path, budget_s=0.5)
+    bed = fake_bed(tmp_path, budget_s=0.5)
     cd = bed.domains.add("team-a")
     ref = bed.channel_claim(cd)
-    assert await bed.preparer.prepare([ref]) == {}
+    assert await drive(bed, start(bed.preparer.prepare([ref]))) == {}
     entry = bed.store.read().get(ref.uid)
     assert entry is not None and entry.state is ClaimState.PREPARE_STARTED
 
@@ -83,9 +126,9 @@ async def test_budget_spent_on_retryable_errors_returns_the_last_one_on_one_line
         output = next(outputs, "state UNAVAILABLE\nconnection refused\n  on /run/imex.sock")
         raise RetryableError(f"host nvidia-imex daemon not ready: {output}")
 
-    bed = Bed(tmp_path, host_managed=True, budget_s=0.6, host_check=host_check)
+    bed = fake_bed(tmp_path, host_managed=True, budget_s=0.6, host_check=host_check)
     ref = bed.channel_claim(bed.domains.add("team-a"))
-    error = (await bed.preparer.prepare([ref]))[ref.uid].error
+    error = (await drive(bed, start(bed.preparer.prepare([ref]))))[ref.uid].error
     assert error.startswith("retryable error: host nvidia-imex daemon not ready: state UNAVAILABLE"), error
     assert "\n" not in error and "connection refused on /run/imex.sock" in error
     assert "attempts in 0.6s; the kubelet will call again" in error
@@ -102,30 +145,31 @@ async def test_an_attempt_still_running_at_the_end_is_left_out_even_after_errors
         calls += 1
         if calls == 1:
             raise RetryableError("host nvidia-imex daemon not ready: state UNAVAILABLE")
-        await asyncio.sleep(60)  # a slow ctl: the budget ends while it runs
+        await asyncio.Event().wait()  # a hanging ctl: the budget ends while it runs
 
-    bed = Bed(tmp_path, host_managed=True, budget_s=1.0, host_check=host_check)
+    bed = fake_bed(tmp_path, host_managed=True, budget_s=1.0, host_check=host_check)
     ref = bed.channel_claim(bed.domains.add("team-a"))
-    assert await bed.preparer.prepare([ref]) == {}
+    assert await drive(bed, start(bed.preparer.prepare([ref]))) == {}
     assert calls == 2
 
 
 async def test_another_domains_label_is_retryable(tmp_path: Path) -> None:
-    bed = Bed(tmp_path, budget_s=0.5)
+    bed = fake_bed(tmp_path, budget_s=0.5)
     cd = bed.domains.add("team-a")
     bed.readiness.set_ready(cd.uid)
     bed.labels.labels[COMPUTE_DOMAIN_LABEL] = "0b9c3f0e-0000-4000-8000-000000000000"
     ref = bed.channel_claim(cd)
-    error = (await bed.preparer.prepare([ref]))[ref.uid].error
+    error = (await drive(bed, start(bed.preparer.prepare([ref]))))[ref.uid].error
     # The budget ended on a retryable error: the kubelet gets it (and shows it in the pod's Events).
     assert error.startswith("retryable error: ") and "0b9c3f0e-0000-4000-8000-000000000000" in error, error
     assert "the kubelet will call again" in error and "\n" not in error
     # Freed within the budget: a retry succeeds.
     bed.set_budget(5)
+    conflicts = bed.labels.conflicts
     task = asyncio.create_task(bed.preparer.prepare([ref]))
-    await asyncio.sleep(0.1)
+    await until("a conflicting attempt", lambda: bed.labels.conflicts > conflicts)
     del bed.labels.labels[COMPUTE_DOMAIN_LABEL]
-    assert (await task)[ref.uid].ok
+    assert (await drive(bed, task))[ref.uid].ok
 
 
 def assert_untouched(bed: Bed) -> None:
@@ -135,7 +179,7 @@ def assert_untouched(bed: Bed) -> None:
 
 
 async def test_unknown_opaque_field_is_permanent_and_named(tmp_path: Path) -> None:
-    bed = Bed(tmp_path)
+    bed = fake_bed(tmp_path)
     cd = bed.domains.add("team-a")
     ref = bed.channel_claim(cd, allocationMde="All")
     result = (await bed.preparer.prepare([ref]))[ref.uid]
@@ -146,7 +190,7 @@ async def test_unknown_opaque_field_is_permanent_and_named(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("domain_id", ["../../etc", "not-a-uuid", "6F1C2A52-0D4E-4B5E-9A77-5C3E0C1D2F40"])
 async def test_bad_domain_id_touches_nothing(tmp_path: Path, domain_id: str) -> None:
-    bed = Bed(tmp_path)
+    bed = fake_bed(tmp_path)
     ref = bed.claims.add("team-a", "w", claim_status("channel-0", channel_params(domain_id)))
     result = (await bed.preparer.prepare([ref]))[ref.uid]
     assert "permanent error" in result.error and "domainID" in result.error
@@ -155,7 +199,7 @@ async def test_bad_domain_id_touches_nothing(tmp_path: Path, domain_id: str) -> 
 
 
 async def test_claim_from_another_namespace_is_permanent(tmp_path: Path) -> None:
-    bed = Bed(tmp_path)
+    bed = fake_bed(tmp_path)
     cd = bed.domains.add("team-a")
     ref = bed.claims.add("team-b", "w", claim_status("channel-0", channel_params(cd.uid)))
     result = (await bed.preparer.prepare([ref]))[ref.uid]
@@ -164,7 +208,7 @@ async def test_claim_from_another_namespace_is_permanent(tmp_path: Path) -> None
 
 
 async def test_replaced_or_unallocated_claims_fail_permanently(tmp_path: Path) -> None:
-    bed = Bed(tmp_path)
+    bed = fake_bed(tmp_path)
     cd = bed.domains.add("team-a")
     ref = bed.channel_claim(cd)
     stale = ClaimRef(ref.namespace, ref.name, ClaimUid("11111111-2222-4333-8444-555555555555"))
@@ -174,7 +218,7 @@ async def test_replaced_or_unallocated_claims_fail_permanently(tmp_path: Path) -
 
 
 async def test_unprepare_undoes_everything_and_rejects_a_stale_retry(tmp_path: Path) -> None:
-    bed = Bed(tmp_path)
+    bed = fake_bed(tmp_path)
     cd = bed.domains.add("team-a")
     bed.readiness.set_ready(cd.uid)
     ref = bed.channel_claim(cd)
@@ -192,29 +236,29 @@ async def test_unprepare_undoes_everything_and_rejects_a_stale_retry(tmp_path: P
 
 
 async def test_unprepare_cancels_a_waiting_prepare_without_leaks(tmp_path: Path) -> None:
-    bed = Bed(tmp_path, budget_s=10)
+    bed = fake_bed(tmp_path, budget_s=10)
     cd = bed.domains.add("team-a")
     ref = bed.channel_claim(cd)
     waiting = asyncio.create_task(bed.preparer.prepare([ref]))
-    await asyncio.sleep(0.2)
+    await until("the readiness wait", lambda: bed.readiness.waits == 1)
     assert bed.labels.labels
     assert (await bed.preparer.unprepare([ref]))[ref.uid].ok
-    result = (await asyncio.wait_for(waiting, 5))[ref.uid]
+    result = (await asyncio.wait_for(waiting, GUARD_S))[ref.uid]
     assert "unprepared while this Prepare ran" in result.error
     bed.readiness.set_ready(cd.uid)
-    await asyncio.sleep(0.1)
+    await fake(bed).advance(1.0)  # nothing of the cancelled Prepare may still be running and write
     assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
     entry = bed.store.read().get(ref.uid)
     assert entry is not None and entry.state is ClaimState.PREPARE_ABORTED
 
 
 async def test_channel_still_held_by_another_claim_is_retryable(tmp_path: Path) -> None:
-    bed = Bed(tmp_path, budget_s=0.5)
+    bed = fake_bed(tmp_path, budget_s=0.5)
     cd = bed.domains.add("team-a")
     bed.readiness.set_ready(cd.uid)
     first, second = bed.channel_claim(cd), bed.channel_claim(cd)
     assert (await bed.preparer.prepare([first]))[first.uid].ok
-    error = (await bed.preparer.prepare([second]))[second.uid].error
+    error = (await drive(bed, start(bed.preparer.prepare([second]))))[second.uid].error
     assert error.startswith("retryable error: "), "retryable until the first is unprepared"
     await bed.preparer.unprepare([first])
     bed.set_budget(5)
@@ -222,7 +266,7 @@ async def test_channel_still_held_by_another_claim_is_retryable(tmp_path: Path) 
 
 
 async def test_no_clique_succeeds_without_injection(tmp_path: Path) -> None:
-    bed = Bed(tmp_path, clique="")
+    bed = fake_bed(tmp_path, clique="")
     cd = bed.domains.add("team-a")
     ref = bed.channel_claim(cd)
     result = (await bed.preparer.prepare([ref]))[ref.uid]
@@ -232,7 +276,7 @@ async def test_no_clique_succeeds_without_injection(tmp_path: Path) -> None:
 
 
 async def test_daemon_claim_gets_imexd_env_and_fabric_device(tmp_path: Path) -> None:
-    bed = Bed(tmp_path)
+    bed = fake_bed(tmp_path)
     cd = bed.domains.add("team-a", name="job")
     ref = bed.daemon_claim(cd)
     result = (await bed.preparer.prepare([ref]))[ref.uid]
@@ -272,10 +316,10 @@ async def test_host_managed_checks_the_host_daemon(tmp_path: Path) -> None:
         if not ready:
             raise RetryableError("host nvidia-imex daemon not ready: state WAITING_FOR_PEERS")
 
-    bed = Bed(tmp_path, host_managed=True, budget_s=0.3, host_check=host_check)
+    bed = fake_bed(tmp_path, host_managed=True, budget_s=0.3, host_check=host_check)
     cd = bed.domains.add("team-a")
     ref = bed.channel_claim(cd, "All")
-    error = (await bed.preparer.prepare([ref]))[ref.uid].error
+    error = (await drive(bed, start(bed.preparer.prepare([ref]))))[ref.uid].error
     assert calls > 1
     assert error.startswith("retryable error: host nvidia-imex daemon not ready: state WAITING_FOR_PEERS"), error
     ready = True
@@ -289,7 +333,7 @@ async def test_host_managed_checks_the_host_daemon(tmp_path: Path) -> None:
 
 
 async def test_fifty_claims_at_once(tmp_path: Path) -> None:
-    bed = Bed(tmp_path, budget_s=20)
+    bed = fake_bed(tmp_path, budget_s=20)
     refs = [bed.daemon_claim(bed.domains.add("team-a", name=f"cd{i}")) for i in range(50)]
     results = await bed.preparer.prepare(refs)
     assert len(results) == 50 and all(r.ok for r in results.values())

@@ -1,0 +1,106 @@
+"""Step one of Prepare: every check of a claim that needs no side effect, and the plan of what to do.
+
+``ClaimPlanner.plan(ref)`` reads the claim live and the ComputeDomains it names, and either raises (a
+``ClaimRejected`` or a retryable error, see ``failures``) or returns a ``ClaimPlan``: per allocated device
+its decoded config, its domain, the undo record the checkpoint will hold (``PreparedResource``) and the
+channels to inject. Nothing on the node is touched here, so a bad claim leaves nothing behind.
+
+Checks, in order: the claim is allocated and its UID is the one the kubelet named; its opaque configs
+decode strictly (``opaque.resolve``: unknown fields and a ``domainID`` that is not a UUID are rejected);
+every device is one this node publishes, from this node's pool; daemon claims are refused in hostManaged
+mode; a channel claim's ComputeDomain exists in the claim's own namespace, a daemon claim's anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
+from computedomain.plugin import cdi
+from computedomain.plugin.checkpoint import DeviceKind, NodeLabel, PreparedResource, claim_fingerprint
+from computedomain.plugin.collaborators import ClaimReader, ClaimSnapshot, DomainInfo, DomainLookup, Hardware
+from computedomain.plugin.failures import ClaimRejected
+from computedomain.plugin.opaque import ResolvedDevice, resolve
+from computedomain.plugin.preparer import ClaimRef
+
+__all__ = ["PUBLISHED_DEVICES", "ClaimPlan", "ClaimPlanner", "DevicePlan"]
+
+PUBLISHED_DEVICES: Final = frozenset({cdi.CHANNEL_DEVICE, cdi.DAEMON_DEVICE})
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePlan:
+    resolved: ResolvedDevice
+    domain: DomainInfo
+    resource: PreparedResource
+    inject_channels: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimPlan:
+    claim: ClaimSnapshot
+    fingerprint: str
+    devices: tuple[DevicePlan, ...]
+
+    @property
+    def resources(self) -> tuple[PreparedResource, ...]:
+        return tuple(d.resource for d in self.devices)
+
+
+@dataclass(frozen=True)
+class ClaimPlanner:
+    node_name: str
+    host_managed: bool
+    domains_dir: Path
+    claims: ClaimReader
+    domains: DomainLookup
+    hardware: Hardware
+    driver_name: str = DRIVER_NAME
+
+    async def plan(self, ref: ClaimRef) -> ClaimPlan:
+        claim = await self.claims.get_claim(ref.namespace, ref.name)
+        if claim.uid != ref.uid:
+            raise ClaimRejected(
+                f"ResourceClaim {ref.namespace}/{ref.name} has UID {claim.uid}, not {ref.uid}: it was replaced"
+            )
+        allocation = claim.allocation
+        if allocation is None:
+            raise ClaimRejected(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
+        devices = [await self._device(claim, item) for item in resolve(allocation, driver=self.driver_name)]
+        return ClaimPlan(claim=claim, fingerprint=claim_fingerprint(claim.status), devices=tuple(devices))
+
+    async def _device(self, claim: ClaimSnapshot, item: ResolvedDevice) -> DevicePlan:
+        device = item.device
+        if device.pool != self.node_name:
+            raise ClaimRejected(
+                f"device {device.device} was allocated from pool {device.pool!r}, not from this node {self.node_name!r}"
+            )
+        if device.device not in PUBLISHED_DEVICES:
+            raise ClaimRejected(f"device {device.device} is not a device this node publishes")
+        kind = item.kind
+        if kind is DeviceKind.DAEMON and self.host_managed:
+            raise ClaimRejected(
+                "daemon claims are not supported with IMEX_MODE=hostManaged: the host runs nvidia-imex itself"
+            )
+        domain = await self.domains.get_domain(item.domain_id)
+        if kind is DeviceKind.DAEMON:
+            if domain is None:
+                raise ClaimRejected(f"ComputeDomain {item.domain_id} of this daemon claim does not exist")
+            domain_dir = str(self.domains_dir / domain.uid)
+            return DevicePlan(item, domain, PreparedResource(kind=kind, domain_id=domain.uid, domain_dir=domain_dir))
+        if domain is None or domain.namespace != claim.namespace:
+            where = f" (it is in namespace {domain.namespace})" if domain else ""
+            raise ClaimRejected(
+                f"ComputeDomain {item.domain_id} not found in namespace {claim.namespace}{where}; a channel "
+                "claim must come from the ComputeDomain's own ResourceClaimTemplate"
+            )
+        count = await asyncio.to_thread(self.hardware.imex_channel_count)
+        # hostManaged: all domains share channel 0 of the host's IMEX domain.
+        ids = (0,) if self.host_managed else tuple(cdi.channel_ids(item.all_channels, count))
+        inject = ids if self.hardware.clique_id else ()
+        label = None if self.host_managed else NodeLabel(key=COMPUTE_DOMAIN_LABEL, value=domain.uid)
+        resource = PreparedResource(kind=kind, domain_id=domain.uid, channels=inject or (0,), node_label=label)
+        return DevicePlan(item, domain, resource, inject)

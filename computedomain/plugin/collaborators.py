@@ -1,0 +1,105 @@
+"""What Prepare needs from the world around it: the facts it reads and the protocols of the collaborators
+that ``app`` injects (Kubernetes-backed in the agent, in-memory in unit tests and benchmarks).
+
+Reads: the claim (``ClaimReader``, one live GET), the ComputeDomain (``DomainLookup``), the node's
+hardware (``Hardware``). Side effects: the node's CD label (``NodeLabeler``), the wait for this node's
+daemon (``DaemonReadiness``), the host IMEX check of hostManaged mode (``HostCheck``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from computedomain.plugin.cdi import CapabilityDevice
+
+__all__ = [
+    "ClaimReader",
+    "ClaimSnapshot",
+    "DaemonReadiness",
+    "DomainInfo",
+    "DomainLookup",
+    "Hardware",
+    "HostCheck",
+    "NodeLabeler",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimSnapshot:
+    """The parts of a ResourceClaim that Prepare reads."""
+
+    namespace: str
+    name: str
+    uid: str
+    status: Mapping[str, Any]
+
+    @property
+    def allocation(self) -> Mapping[str, Any] | None:
+        allocation = self.status.get("allocation")
+        return allocation if isinstance(allocation, Mapping) and allocation else None
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, Any]) -> ClaimSnapshot:
+        meta = raw.get("metadata") or {}
+        return cls(
+            namespace=str(meta.get("namespace") or ""),
+            name=str(meta.get("name") or ""),
+            uid=str(meta.get("uid") or ""),
+            status=dict(raw.get("status") or {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DomainInfo:
+    """What Prepare needs to know about a ComputeDomain."""
+
+    uid: str
+    name: str
+    namespace: str
+    num_nodes: int = 0
+
+
+class ClaimReader(Protocol):
+    async def get_claim(self, namespace: str, name: str) -> ClaimSnapshot:
+        """The claim as the apiserver has it now; ClaimNotFoundError if it does not exist."""
+        ...
+
+
+class DomainLookup(Protocol):
+    async def get_domain(self, uid: str) -> DomainInfo | None:
+        """The ComputeDomain with this UID in any namespace, or None."""
+        ...
+
+
+class NodeLabeler(Protocol):
+    async def ensure_label(self, key: str, value: str) -> None:
+        """Set key=value on this node; LabelConflictError if key already has another value."""
+        ...
+
+    async def remove_label_if(self, key: str, value: str) -> bool:
+        """Remove key from this node only while it has value; True when removed."""
+        ...
+
+
+class DaemonReadiness(Protocol):
+    async def wait_ready(self, domain: DomainInfo, clique_id: str, timeout_s: float) -> None:
+        """Return once this node's daemon of the domain is Ready; NotReadyError after timeout_s."""
+        ...
+
+
+class Hardware(Protocol):
+    """Node facts Prepare needs; `clique_id` is the current value (refreshed elsewhere)."""
+
+    @property
+    def clique_id(self) -> str: ...
+
+    def imex_channel_major(self) -> int: ...
+
+    def imex_channel_count(self) -> int: ...
+
+    def fabric_imex_mgmt(self) -> CapabilityDevice | None: ...
+
+
+HostCheck = Callable[[], Awaitable[None]]

@@ -1,0 +1,84 @@
+"""Step two of Prepare: what is done on the node for one planned device, once ``PrepareStarted`` (with the
+undo record) is in the checkpoint. Every step is idempotent, so a retried or resumed Prepare repeats it.
+
+* driverManaged channel: label the node with the domain's UID (that is what brings the domain's IMEX daemon
+  here; another domain's label is a retryable conflict), then wait for **this node's** daemon entry to be
+  Ready (watch-driven, until just before the budget ends), then the channel device nodes to inject;
+* hostManaged channel: the host IMEX check (``nvidia-imex-ctl -q`` chrooted into the driver root, exact
+  ``READY``), then channel 0; no label, no wait;
+* a node without an NVLink clique gets no channel device: nothing to label-wait for, nothing to inject;
+* daemon: the per-domain config directory (mounted at ``/imexd``), the domain's identity as env, and the
+  ``fabric-imex-mgmt`` capability device on fabric nodes.
+
+The result is the device's CDI container edits; ``prepare`` writes them into the claim's spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from computedomain.kube.clock import Clock
+from computedomain.plugin import cdi
+from computedomain.plugin.cdi import ContainerEdits
+from computedomain.plugin.checkpoint import DeviceKind
+from computedomain.plugin.claim_plan import DevicePlan
+from computedomain.plugin.collaborators import DaemonReadiness, Hardware, HostCheck, NodeLabeler
+from computedomain.plugin.failures import ClaimRejected
+
+__all__ = ["SideEffects"]
+
+#: left of the budget when the readiness wait gives up, so its own NotReadyError (which says what it saw)
+#: ends the attempt rather than the budget's cut
+READINESS_MARGIN_S = 0.05
+
+
+@dataclass(frozen=True)
+class SideEffects:
+    host_managed: bool
+    labels: NodeLabeler
+    readiness: DaemonReadiness
+    hardware: Hardware
+    host_check: HostCheck | None
+    clock: Clock
+
+    async def apply(self, device: DevicePlan, deadline: float) -> ContainerEdits:
+        if device.resource.kind is DeviceKind.CHANNEL:
+            return await self._channel(device, deadline)
+        return await self._daemon(device)
+
+    async def _channel(self, device: DevicePlan, deadline: float) -> ContainerEdits:
+        clique = self.hardware.clique_id
+        if self.host_managed:
+            if not clique:
+                return ContainerEdits()  # not on an MNNVL fabric: nothing to inject, nothing to check
+            if self.host_check is None:
+                raise ClaimRejected("hostManaged mode without a host IMEX check configured")
+            await self.host_check()
+        else:
+            label = device.resource.node_label
+            assert label is not None
+            await self.labels.ensure_label(label.key, label.value)
+            if clique:
+                remaining = deadline - self.clock.now() - READINESS_MARGIN_S
+                await self.readiness.wait_ready(device.domain, clique, remaining)
+        if not device.inject_channels:
+            return ContainerEdits()
+        major = await asyncio.to_thread(self.hardware.imex_channel_major)
+        return cdi.channel_edits(major, device.inject_channels)
+
+    async def _daemon(self, device: DevicePlan) -> ContainerEdits:
+        domain = device.domain
+        domain_dir = Path(device.resource.domain_dir or "")
+        await asyncio.to_thread(domain_dir.mkdir, mode=0o755, parents=True, exist_ok=True)
+        clique = self.hardware.clique_id
+        cap = await asyncio.to_thread(self.hardware.fabric_imex_mgmt) if clique else None
+        return cdi.daemon_edits(
+            domain_dir=domain_dir,
+            clique_id=clique,
+            domain_uid=domain.uid,
+            domain_name=domain.name,
+            domain_namespace=domain.namespace,
+            fabric_imex_mgmt=cap,
+        )
