@@ -11,10 +11,15 @@ start-up, in order (each failure is one line on stderr and a non-zero exit; noth
   4. the Kubernetes client, the ComputeDomain (and clique) caches, the Preparer;
   5. gRPC: DRA socket first, then registration (the kubelet must never learn an endpoint that does not
      listen yet), health on TCP (the pod IP when POD_IP is set, else every address);
-  6. background tasks: ResourceSlice publishing, clique refresh (and the `nvidia.com/gpu.clique` label),
+  6. background work, each on a one-key convergence loop (`kube.converge`: backoff, one warning when it
+     keeps failing): ResourceSlice publishing, clique refresh (and the `nvidia.com/gpu.clique` label),
      startup + periodic cleanup;
-  7. with `HTTP_ENDPOINT` set: prometheus metrics on `METRICS_PATH` and `/healthz` (`computedomain.http`),
-     started by `serve` right after step 3, so a bad endpoint or a taken port is a start-up error too.
+  7. with `HTTP_ENDPOINT` set: prometheus metrics on `METRICS_PATH`, `/healthz` and `/readyz`
+     (`computedomain.http`), started by `serve` right after step 3, so a bad endpoint or a taken port is a
+     start-up error too.
+
+Readiness (`readiness()`: `/readyz` and the gRPC health service `readiness`): not ready while a cache's list
+or watch is refused (RBAC); the details, and the one warning logged, name the verb and the resource.
 
 SIGTERM/SIGINT: stop registration and DRA (in-flight calls get a grace period; an unfinished Prepare is
 recorded as PrepareStarted and finished or undone by the next process), stop the background tasks, close
@@ -44,6 +49,7 @@ from computedomain.http import EndpointError, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import Informer
+from computedomain.kube.informer import problems as informer_problems
 from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.cdi_base import base_edits, write_base_spec
@@ -88,8 +94,6 @@ class NodeAgent:
         *,
         boot_id_path: Path | None = None,
         host_check: HostCheck | None = None,
-        cleanup_interval_s: float = 600.0,
-        clique_refresh_s: float = 600.0,
     ) -> None:
         self.settings = settings
         self.client = client
@@ -134,18 +138,49 @@ class NodeAgent:
             hardware=self.hardware,
             host_check=host_check,
         )
+        self.retries: dict[str, Any] = {
+            "backoff_initial": settings.retry_backoff_initial,
+            "backoff_max": settings.retry_backoff_max,
+            "warn_after": settings.retry_warn_after,
+            "stuck_recheck": settings.stuck_recheck_period,
+        }
         self.cleanup = Cleanup(
             self.preparer,
             self.cdi,
             claim_uid=self.claims.claim_uid,
             known_domains=lambda: self.domains.known_uids() if self.domains.informer.synced else None,
             domains_dir=self.preparer.config.domains_dir,
-            interval_s=cleanup_interval_s,
+            interval_s=settings.cleanup_interval,
+            **self.retries,
         )
-        self.clique_labeler = CliqueLabeler(self.labels, self.hardware, refresh_s=clique_refresh_s)
+        self.clique_labeler = CliqueLabeler(
+            self.labels,
+            self.hardware,
+            enabled=settings.gpu_clique_label_enabled,
+            refresh_s=settings.clique_refresh_interval,
+            **self.retries,
+        )
         health_port = settings.health_port if settings.health_port >= 0 else None
-        self.server = PluginServer(self.preparer, self.paths, health_port=health_port, health_host=settings.pod_ip)
+        self.server = PluginServer(
+            self.preparer,
+            self.paths,
+            health_port=health_port,
+            health_host=settings.pod_ip,
+            readiness=lambda: self.readiness_problems(),
+        )
         self.publisher: SlicePublisher | None = None
+
+    def informers(self) -> list[Informer[Any]]:
+        slices = [self.publisher.informer] if self.publisher is not None else []
+        return [self.domains.informer, self.node_informer, *self.readiness.informers(), *slices]
+
+    def readiness_problems(self) -> list[str]:
+        """Why the agent cannot keep its caches current (a refused list or watch), for readiness."""
+        return informer_problems(*self.informers())
+
+    def readiness_report(self) -> tuple[bool, dict[str, Any]]:
+        problems = self.readiness_problems()
+        return not problems, {"ready": not problems, "node": self.settings.node_name, "problems": problems}
 
     async def _host_check(self) -> None:
         await check_host_imex_ready(
@@ -183,7 +218,12 @@ class NodeAgent:
             raise StartupError(f"cannot open the checkpoint in {self.plugin_dir}: {exc}") from None
         devices = published_devices(host_managed=settings.host_managed, imex_supported=no_imex is None)
         self.publisher = SlicePublisher(
-            self.client, node_name=settings.node_name, devices=devices, events=self.events, no_imex_reason=no_imex
+            self.client,
+            node_name=settings.node_name,
+            devices=devices,
+            events=self.events,
+            no_imex_reason=no_imex,
+            **self.retries,
         )
         log.info(
             "node agent starting node=%s mode=%s clique=%r imex=%s reboot_invalidated=%d plugin_dir=%s cdi_root=%s",
@@ -228,22 +268,18 @@ class NodeAgent:
         spawn("node-informer", self.node_informer.run)
         spawn("clique-informer", self.readiness.run)
         await self.server.start()
+        stopped: asyncio.Task[Any] = asyncio.create_task(stop.wait(), name="stop")
         try:
             spawn("resourceslice", self.publisher.run)
-            spawn(
-                "clique",
-                lambda: self.clique_labeler.run(enabled=self.settings.gpu_clique_label_enabled),
-            )
+            spawn("clique", self.clique_labeler.run)
             spawn("cleanup", self.cleanup.run)
-            stopped: asyncio.Task[Any] = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([stopped, *background], return_when=asyncio.FIRST_COMPLETED)
-            stopped.cancel()
         finally:
             log.info("node agent stopping")
             await self.server.stop(STOP_GRACE_S)
-            for task in background:
+            for task in (stopped, *background):
                 task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await asyncio.gather(stopped, *background, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.events.aclose(), 2.0)
         for task in done:
@@ -275,7 +311,7 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
         try:
             await asyncio.to_thread(agent.prepare_startup)
             if settings.http_endpoint:
-                http = await _start_http(settings)
+                http = await _start_http(settings, agent)
         except StartupError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -292,9 +328,11 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
         await client.close()
 
 
-async def _start_http(settings: PluginSettings) -> web.AppRunner:
+async def _start_http(settings: PluginSettings, agent: NodeAgent) -> web.AppRunner:
     try:
-        return await start_http(settings.http_endpoint, metrics_path=settings.metrics_path)
+        return await start_http(
+            settings.http_endpoint, metrics_path=settings.metrics_path, readiness=agent.readiness_report
+        )
     except (EndpointError, OSError) as exc:
         raise StartupError(f"cannot serve HTTP on HTTP_ENDPOINT {settings.http_endpoint!r}: {exc}") from None
 

@@ -16,7 +16,8 @@ One round (`Cleanup.run_once`), never concurrent with itself:
    (upstream deletes them only here too, never at Unprepare, to avoid racing a re-created daemon pod).
 
 The claim lookup is a live GET with the client's deadline; an API error skips that entry until the next
-round. Errors never stop the loop.
+round. Rounds run on a one-key convergence loop (`kube.converge`): at start and every `interval_s`; a round
+that fails is retried with backoff.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from computedomain.kube.clock import utcnow
+from computedomain.kube.converge import DONE, Converger, ReconcileResult
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.checkpoint import DEFAULT_TOMBSTONE_TTL, Checkpoint, ClaimState, expire_tombstones
 from computedomain.plugin.prepare import Preparer
@@ -64,6 +66,7 @@ class Cleanup:
         interval_s: float = DEFAULT_INTERVAL_S,
         tombstone_ttl: timedelta = DEFAULT_TOMBSTONE_TTL,
         clock: Callable[[], datetime] = utcnow,
+        **loop: Any,
     ) -> None:
         """known_domains returns the UIDs of existing ComputeDomains, or None while that is unknown (cache
         not synced): then no domain directory is removed."""
@@ -77,14 +80,15 @@ class Cleanup:
         self.tombstone_ttl = tombstone_ttl
         self.clock = clock
         self._lock = asyncio.Lock()
+        self.loop: Converger[str] = Converger("cleanup", self._reconcile, every=interval_s, **loop)
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.run_once()
-            except Exception:
-                log.exception("cleanup round failed; next round in %.0fs", self.interval_s)
-            await asyncio.sleep(self.interval_s)
+        self.loop.add("cleanup")
+        await self.loop.run()
+
+    async def _reconcile(self, _key: str) -> ReconcileResult:
+        await self.run_once()
+        return DONE
 
     async def run_once(self) -> CleanupReport:
         async with self._lock:

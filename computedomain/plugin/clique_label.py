@@ -10,16 +10,18 @@
   every refresh so a label removed by hand comes back. Unlike upstream it does not remove the label on
   shutdown: a restart of the agent must not make workloads' topology affinity flap.
 
-The desired label is a pure function (`desired_label`); the labeller is a small executor.
+The desired label is a pure function (`desired_label`); the labeller is a small executor on a one-key
+convergence loop (`kube.converge`): a refresh every `refresh_s`, failures retried with backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Final
+from typing import Any, Final
 
 from computedomain.api.constants import GPU_CLIQUE_NODE_LABEL
+from computedomain.kube.converge import DONE, Converger, ReconcileResult
 from computedomain.plugin.cdi import CapabilityDevice
 from computedomain.plugin.node_labels import NodeLabels
 from imex.discovery import HardwareDiscovery, HardwareError
@@ -27,7 +29,6 @@ from imex.discovery import HardwareDiscovery, HardwareError
 log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_S: Final = 600.0
-RETRY_S: Final = 5.0
 
 
 def desired_label(clique_id: str) -> str | None:
@@ -96,10 +97,20 @@ class NodeHardware:
 class CliqueLabeler:
     """Keeps `nvidia.com/gpu.clique` on the node equal to `desired_label(hardware.clique_id)`."""
 
-    def __init__(self, labels: NodeLabels, hardware: NodeHardware, *, refresh_s: float = DEFAULT_REFRESH_S) -> None:
+    def __init__(
+        self,
+        labels: NodeLabels,
+        hardware: NodeHardware,
+        *,
+        enabled: bool,
+        refresh_s: float = DEFAULT_REFRESH_S,
+        **loop: Any,
+    ) -> None:
+        """``loop``: retry settings of the convergence loop (``Converger``'s keyword arguments)."""
         self.labels = labels
         self.hardware = hardware
-        self.refresh_s = refresh_s
+        self.enabled = enabled
+        self.loop: Converger[str] = Converger("clique", self._reconcile, every=refresh_s, **loop)
 
     async def sync(self) -> None:
         value = desired_label(self.hardware.clique_id)
@@ -109,15 +120,13 @@ class CliqueLabeler:
             else:
                 log.info("set node label %s=%s", GPU_CLIQUE_NODE_LABEL, value)
 
-    async def run(self, *, enabled: bool) -> None:
-        """Refresh the clique forever; label the node on every round when enabled. Never raises for API errors."""
-        while True:
-            await self.hardware.refresh()
-            delay = self.refresh_s
-            if enabled:
-                try:
-                    await self.sync()
-                except Exception as exc:
-                    delay = min(self.refresh_s, RETRY_S)
-                    log.warning("clique label sync failed; retrying in %.0fs error=%r", delay, exc)
-            await asyncio.sleep(delay)
+    async def run(self) -> None:
+        """Refresh the clique forever; label the node on every round when enabled."""
+        self.loop.add("clique")
+        await self.loop.run()
+
+    async def _reconcile(self, _key: str) -> ReconcileResult:
+        await self.hardware.refresh()
+        if self.enabled:
+            await self.sync()
+        return DONE

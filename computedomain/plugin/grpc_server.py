@@ -8,8 +8,10 @@ Owns three asyncio gRPC servers and the socket files they listen on:
 - the DRA node service in both wire versions (`k8s.io.kubelet.pkg.apis.dra.v1` and `...v1beta1`) on
   `<plugins dir>/<driver>/dra.sock`; both translate into the version-free model of `preparer` and delegate
   to an injected `Preparer`;
-- `grpc.health.v1` on TCP (the pod probes; on the pod IP when it is known, else on every address), services `""` and `liveness`, whose Check dials the two unix
-  sockets above by path, so a deleted socket file or a wedged server turns into NOT_SERVING.
+- `grpc.health.v1` on TCP (the pod probes; on the pod IP when it is known, else on every address), services
+  `""` and `liveness`, whose Check dials the two unix sockets above by path, so a deleted socket file or a
+  wedged server turns into NOT_SERVING; and `readiness`, which is also NOT_SERVING while the agent reports a
+  problem (a cache whose list or watch the apiserver refuses: the log line names the verb and resource).
 
 This is the only module of the package that imports grpc. Everything runs on the caller's event loop;
 servicer methods never block it (the Preparer is async). Start order is DRA first, registration second,
@@ -22,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -65,6 +67,7 @@ DRA_V1: Final = "v1.DRAPlugin"
 DRA_V1BETA1: Final = "v1beta1.DRAPlugin"
 SUPPORTED_VERSIONS: Final = (DRA_V1, DRA_V1BETA1)
 HEALTH_SERVICES: Final = frozenset({"", "liveness"})
+READINESS_SERVICE: Final = "readiness"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH: Final = 107
 
@@ -224,25 +227,28 @@ class _RegistrationService:
 
 
 class _HealthService:
-    def __init__(self, self_check: Any) -> None:
+    def __init__(self, self_check: Any, readiness: Callable[[], Sequence[str]]) -> None:
         self._self_check = self_check
+        self._readiness = readiness
 
-    async def _status(self) -> Any:
+    async def _status(self, service: str) -> Any:
         problem = await self._self_check()
         if problem:
             log.warning("health check failed: %s", problem)
             return health_pb2.HealthCheckResponse.NOT_SERVING
+        if service == READINESS_SERVICE and self._readiness():
+            return health_pb2.HealthCheckResponse.NOT_SERVING  # the agent logged why when it happened
         return health_pb2.HealthCheckResponse.SERVING
 
     async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
-        if request.service not in HEALTH_SERVICES:
+        if request.service not in HEALTH_SERVICES | {READINESS_SERVICE}:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=await self._status())
+        return health_pb2.HealthCheckResponse(status=await self._status(request.service))
 
     async def List(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
-        status = await self._status()
+        statuses = {name: await self._status(name) for name in (*sorted(HEALTH_SERVICES), READINESS_SERVICE)}
         return health_pb2.HealthListResponse(
-            statuses={name: health_pb2.HealthCheckResponse(status=status) for name in HEALTH_SERVICES}
+            statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in statuses.items()}
         )
 
     async def Watch(self, request: Any, context: Any) -> None:  # noqa: N802 (gRPC name)
@@ -264,6 +270,7 @@ class PluginServer:
         health_port: int | None = HEALTH_PORT,
         health_host: str = "",
         self_check_timeout_s: float = 3.0,
+        readiness: Callable[[], Sequence[str]] = lambda: (),
     ) -> None:
         """health_port None disables the health server; 0 picks a free port (see `health_port`). health_host
         is the address it binds (the pod IP, so several agents on one machine do not clash); empty: all."""
@@ -275,6 +282,7 @@ class PluginServer:
         self._health_port_wanted = health_port
         self._health_host = health_host
         self._self_check_timeout_s = self_check_timeout_s
+        self._readiness = readiness
         self._dra_server: grpc.aio.Server | None = None
         self._reg_server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -292,7 +300,7 @@ class PluginServer:
             self._reg_server = await self._start_unix(self.paths.registration, self._add_registration)
             if self._health_port_wanted is not None:
                 self._health_server = grpc.aio.server()
-                health = _HealthService(self.self_check)
+                health = _HealthService(self.self_check, self._readiness)
                 health_pb2_grpc.add_HealthServicer_to_server(health, self._health_server)
                 address = tcp_address(self._health_host, self._health_port_wanted)
                 self.health_port = self._health_server.add_insecure_port(address)

@@ -10,9 +10,10 @@ any other slice of this driver and node (left by an older agent, or by the refer
 generateName) is deleted. The pool generation goes up whenever the content changes, as DRA requires.
 
 Kept current from watch events, not by polling: an informer watches the slices of this node and driver;
-every event (our own writes included) triggers a level-based sync that compares the observed slices with
-the desired one (`plan`, pure) and applies the difference. A slice deleted by hand, by the garbage collector
-after the Node was re-created, or changed by another writer is therefore repaired within one round trip.
+every event (our own writes included) adds the one key of a convergence loop (`kube.converge`), whose
+level-based sync compares the observed slices with the desired one (`plan`, pure) and applies the
+difference. A slice deleted by hand, by the garbage collector after the Node was re-created, or changed by
+another writer is therefore repaired within one round trip; failed syncs back off.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any, Final
 
 from computedomain.api.constants import DRIVER_NAME
 from computedomain.kube.client import NODES, RESOURCE_SLICES, KubeClient, Raw
-from computedomain.kube.errors import AlreadyExists, Conflict, KubeError, NotFound
+from computedomain.kube.converge import DONE, Converger, ReconcileResult
+from computedomain.kube.errors import AlreadyExists, Conflict, NotFound
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
 from computedomain.kube.informer import Informer
 from computedomain.plugin import cdi
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 
 API_VERSION: Final = "resource.k8s.io/v1"
 MAX_NAME: Final = 253
-RETRY_S: Final = 2.0
+_KEY: Final = "slice"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,9 @@ class SlicePublisher:
         events: EventRecorder | None = None,
         no_imex_reason: str | None = None,
         driver: str = DRIVER_NAME,
+        **loop: Any,
     ) -> None:
+        """``loop``: retry settings of the convergence loop (``Converger``'s keyword arguments)."""
         self.client = client
         self.node_name = node_name
         self.devices = tuple(devices)
@@ -158,11 +162,11 @@ class SlicePublisher:
             field_selector=f"spec.nodeName={node_name},spec.driver={driver}",
             name="resourceslices",
         )
-        self._dirty = asyncio.Event()
+        self.loop: Converger[str] = Converger("resourceslice", self._reconcile, **loop)
         self.informer.add_handler(
-            on_add=lambda _: self._dirty.set(),
-            on_update=lambda _old, _new: self._dirty.set(),
-            on_delete=lambda _: self._dirty.set(),
+            on_add=lambda _: self.loop.add(_KEY),
+            on_update=lambda _old, _new: self.loop.add(_KEY),
+            on_delete=lambda _: self.loop.add(_KEY),
         )
         self.synced = asyncio.Event()
 
@@ -174,16 +178,12 @@ class SlicePublisher:
     async def _loop(self) -> None:
         await self.informer.has_synced()
         self._announce()
-        self._dirty.set()
-        while True:
-            await self._dirty.wait()
-            self._dirty.clear()
-            try:
-                await self.sync()
-            except (KubeError, OSError) as exc:
-                log.warning("resourceslice sync failed; retrying in %.0fs error=%r", RETRY_S, exc)
-                await asyncio.sleep(RETRY_S)
-                self._dirty.set()
+        self.loop.add(_KEY)
+        await self.loop.run()
+
+    async def _reconcile(self, _key: str) -> ReconcileResult:
+        await self.sync()
+        return DONE
 
     def _announce(self) -> None:
         if self.devices:
@@ -226,7 +226,7 @@ class SlicePublisher:
                     todo.create["spec"]["pool"]["generation"],
                 )
             except AlreadyExists:
-                self._dirty.set()  # our cache lags behind; the watch event brings the next round
+                self.loop.add(_KEY)  # our cache lags behind: once more after this round
         if todo.update is not None:
             try:
                 await self.client.replace(RESOURCE_SLICES, todo.update)
@@ -236,5 +236,5 @@ class SlicePublisher:
                     todo.update["spec"]["pool"]["generation"],
                 )
             except (Conflict, NotFound):
-                self._dirty.set()
+                self.loop.add(_KEY)
         self.synced.set()

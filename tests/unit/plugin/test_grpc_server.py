@@ -278,8 +278,21 @@ async def test_agents_on_pod_ips_share_the_health_port(preparer: FakePreparer, s
 async def test_health_unknown_service(server: PluginServer) -> None:
     assert server.health_port
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await _health(server.health_port, "readiness")
+        await _health(server.health_port, "startup")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_readiness_follows_the_agents_problems(preparer: FakePreparer, paths: SocketPaths) -> None:
+    problems: list[str] = []
+    srv = PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", readiness=lambda: problems)
+    async with srv:
+        assert srv.health_port
+        assert await _health(srv.health_port, "readiness") == health_pb2.HealthCheckResponse.SERVING
+        problems.append("informer computedomains: RBAC: ... may not watch computedomains.resource.nvidia.com")
+        assert await _health(srv.health_port, "readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await _health(srv.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING, (
+            "a refused cache makes the agent unready, not dead: a restart cannot fix RBAC"
+        )
 
 
 @pytest.mark.parametrize("which", ["registration", "dra"])
