@@ -40,8 +40,7 @@ from typing import Any, Final, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from computedomain.api.limits import brief, shown
-from computedomain.atomic import fsync_dir, write_atomically
-from computedomain.kube.clock import utcnow
+from computedomain.atomic import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -473,13 +472,11 @@ class CheckpointStore:
         *,
         boot_id_path: Path = DEFAULT_BOOT_ID_PATH,
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
-        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.directory = directory
         self.path = directory / CHECKPOINT_FILE
         self.lock = FileLock(directory / LOCK_FILE, timeout_s=lock_timeout_s)
         self.boot_id_path = boot_id_path
-        self.clock = clock
 
     # -- reads
 
@@ -536,15 +533,6 @@ class CheckpointStore:
             if new != current or not existed:
                 self._write(new)
         return invalidated
-
-    def quarantine(self) -> Path:
-        """Move an unreadable checkpoint aside (for an explicit operator opt-in); returns the new path."""
-        target = self.path.with_name(f"{self.path.name}.corrupt-{self.clock().strftime('%Y%m%dT%H%M%SZ')}")
-        with self.lock.held():
-            self.path.rename(target)
-            fsync_dir(self.directory)
-        log.error("moved corrupt checkpoint aside path=%s moved_to=%s", self.path, target)
-        return target
 
     # -- async conveniences (the store blocks; never call it on the event loop directly)
 

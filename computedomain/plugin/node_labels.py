@@ -87,10 +87,6 @@ class NodeLabels:
             f"node {self.node_name}: label {key} kept changing under us ({_MAX_CONFLICTS} conflicts)"
         )
 
-    async def current(self, key: str) -> str | None:
-        labels, _ = await self._read()
-        return labels.get(key)
-
     async def set_label(self, key: str, value: str | None) -> bool:
         """Make key=value (None: absent), unconditionally. Returns whether a write was needed."""
         labels, _ = await self._read()

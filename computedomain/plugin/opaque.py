@@ -22,7 +22,7 @@ at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -202,7 +202,3 @@ def resolve(allocation: Mapping[str, Any] | None, *, driver: str = DRIVER_NAME) 
             )
         resolved.append(ResolvedDevice(result, chosen.config))
     return resolved
-
-
-def domain_ids(resolved: Sequence[ResolvedDevice]) -> set[str]:
-    return {r.domain_id for r in resolved}
