@@ -21,7 +21,14 @@ from typing import Final
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
 from computedomain.plugin import cdi
 from computedomain.plugin.checkpoint import DeviceKind, NodeLabel, PreparedResource, claim_fingerprint
-from computedomain.plugin.collaborators import ClaimReader, ClaimSnapshot, DomainInfo, DomainLookup, Hardware
+from computedomain.plugin.collaborators import (
+    ClaimReader,
+    ClaimSnapshot,
+    DomainInfo,
+    DomainLookup,
+    Hardware,
+    RunBlocking,
+)
 from computedomain.plugin.failures import ClaimRejected
 from computedomain.plugin.opaque import ResolvedDevice, resolve
 from computedomain.plugin.preparer import ClaimRef
@@ -59,6 +66,7 @@ class ClaimPlanner:
     domains: DomainLookup
     hardware: Hardware
     driver_name: str = DRIVER_NAME
+    run_blocking: RunBlocking = asyncio.to_thread
 
     async def plan(self, ref: ClaimRef) -> ClaimPlan:
         claim = await self.claims.get_claim(ref.namespace, ref.name)
@@ -97,7 +105,7 @@ class ClaimPlanner:
                 f"ComputeDomain {item.domain_id} not found in namespace {claim.namespace}{where}; a channel "
                 "claim must come from the ComputeDomain's own ResourceClaimTemplate"
             )
-        count = await asyncio.to_thread(self.hardware.imex_channel_count)
+        count = await self.run_blocking(self.hardware.imex_channel_count)
         # hostManaged: all domains share channel 0 of the host's IMEX domain.
         ids = (0,) if self.host_managed else tuple(cdi.channel_ids(item.all_channels, count))
         inject = ids if self.hardware.clique_id else ()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from computedomain.plugin.cdi import CapabilityDevice
 
@@ -23,7 +23,11 @@ __all__ = [
     "Hardware",
     "HostCheck",
     "NodeLabeler",
+    "RunBlocking",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +107,10 @@ class Hardware(Protocol):
 
 
 HostCheck = Callable[[], Awaitable[None]]
+
+
+class RunBlocking(Protocol):
+    """How blocking work (checkpoint and CDI files, /proc reads) is run off the event loop: ``asyncio.to_thread``
+    in the agent; inline in unit tests, so that a fake clock alone decides when time passes."""
+
+    def __call__(self, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]: ...

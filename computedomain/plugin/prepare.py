@@ -22,7 +22,7 @@ configs. It cancels a Prepare of the same claim still running in this process, u
 (label only while it still has our value; CDI spec files), and leaves a tombstone.
 
 Concurrency: one task per claim of a request; claims are independent except through the checkpoint, whose
-read-modify-writes run one at a time in a worker thread (an asyncio lock in front of the file lock keeps
+read-modify-writes run one at a time in a worker thread (``run_blocking``, injectable) (an asyncio lock in front of the file lock keeps
 this process's own threads from polling for it). Per claim UID, one attempt at a time.
 """
 
@@ -66,6 +66,7 @@ from computedomain.plugin.collaborators import (
     Hardware,
     HostCheck,
     NodeLabeler,
+    RunBlocking,
 )
 from computedomain.plugin.failures import ClaimRejected
 from computedomain.plugin.preparer import ClaimRef, ClaimUid, PreparedDevice, PrepareResult, UnprepareResult
@@ -127,8 +128,10 @@ class Preparer:
         clock: Clock | None = None,
         now: Callable[[], datetime] = utcnow,
         rng: random.Random | None = None,
+        run_blocking: RunBlocking = asyncio.to_thread,
     ) -> None:
         self.config = config
+        self.run_blocking = run_blocking
         self.store = store
         self.cdi = cdi_dir
         self.labels = labels
@@ -143,6 +146,7 @@ class Preparer:
             domains=domains,
             hardware=hardware,
             driver_name=config.driver_name,
+            run_blocking=run_blocking,
         )
         self.effects = SideEffects(
             host_managed=config.host_managed,
@@ -151,6 +155,7 @@ class Preparer:
             hardware=hardware,
             host_check=host_check,
             clock=self.clock,
+            run_blocking=run_blocking,
         )
         self._store_lock = asyncio.Lock()
         self._claim_locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -224,7 +229,7 @@ class Preparer:
 
     async def _update(self, change: Callable[[Checkpoint], tuple[Checkpoint, T]]) -> T:
         async with self._store_lock:
-            return await self.store.update_async(change)
+            return await self.run_blocking(self.store.update, change)
 
     @contextlib.asynccontextmanager
     async def _claim_lock(self, uid: str) -> AsyncIterator[None]:
@@ -247,7 +252,7 @@ class Preparer:
         plan = await self.planner.plan(ref)
         async with self._claim_lock(ref.uid):
             # A read without the lock sees a whole file; begin_prepare re-checks under the lock.
-            done = check_prepare(await self.store.read_async(), ref.uid, plan.fingerprint)
+            done = check_prepare(await self.run_blocking(self.store.read), ref.uid, plan.fingerprint)
             if done is not None:
                 log.debug("claim already prepared; returning its devices claim=%s", ref)
                 return PrepareResult(devices=tuple(_to_prepared(d) for d in done.devices))
@@ -272,13 +277,13 @@ class Preparer:
             for device in plan.devices:
                 edits[device.resolved.device.device] = await self.effects.apply(device, deadline)
             spec = ClaimSpec(ref.uid, edits)
-            await asyncio.to_thread(self.cdi.write, spec)
+            await self.run_blocking(self.cdi.write, spec)
             devices = tuple(self._result_device(spec, d) for d in plan.devices)
             try:
                 await self._update(lambda cp: (complete_prepare(cp, ref.uid, devices, now=self._now()), None))
             except InvalidTransitionError:
                 # Another process unprepared the claim meanwhile (its tombstone is there): drop our spec again.
-                await asyncio.to_thread(self.cdi.remove, ref.uid)
+                await self.run_blocking(self.cdi.remove, ref.uid)
                 raise ClaimRejected(f"claim {ref} was unprepared while it was being prepared") from None
         log.info(
             "prepared claim=%s devices=%s",
@@ -323,7 +328,7 @@ class Preparer:
     async def undo(self, uid: str) -> ClaimEntry | None:
         """Undo what the checkpoint lists for the claim and leave a tombstone. Returns the undone entry, None
         when there was nothing to undo. Used by Unprepare and by the stale-claim cleanup."""
-        checkpoint = await self.store.read_async()
+        checkpoint = await self.run_blocking(self.store.read)
         entry = undo_plan(checkpoint, uid)
         if entry is None:
             return None
@@ -334,7 +339,7 @@ class Preparer:
                 if removed:
                     log.info("removed node label %s=%s claim=%s", label.key, label.value, uid)
         for spec_file in entry.cdi_spec_files:
-            await asyncio.to_thread(self.cdi.remove_recorded, spec_file)
+            await self.run_blocking(self.cdi.remove_recorded, spec_file)
         await self._update(lambda cp: (finish_unprepare(cp, uid, now=self._now()), None))
         return entry
 

@@ -24,7 +24,7 @@ from computedomain.plugin import cdi
 from computedomain.plugin.cdi import ContainerEdits
 from computedomain.plugin.checkpoint import DeviceKind
 from computedomain.plugin.claim_plan import DevicePlan
-from computedomain.plugin.collaborators import DaemonReadiness, Hardware, HostCheck, NodeLabeler
+from computedomain.plugin.collaborators import DaemonReadiness, Hardware, HostCheck, NodeLabeler, RunBlocking
 from computedomain.plugin.failures import ClaimRejected
 
 __all__ = ["SideEffects"]
@@ -42,6 +42,7 @@ class SideEffects:
     hardware: Hardware
     host_check: HostCheck | None
     clock: Clock
+    run_blocking: RunBlocking = asyncio.to_thread
 
     async def apply(self, device: DevicePlan, deadline: float) -> ContainerEdits:
         if device.resource.kind is DeviceKind.CHANNEL:
@@ -65,15 +66,15 @@ class SideEffects:
                 await self.readiness.wait_ready(device.domain, clique, remaining)
         if not device.inject_channels:
             return ContainerEdits()
-        major = await asyncio.to_thread(self.hardware.imex_channel_major)
+        major = await self.run_blocking(self.hardware.imex_channel_major)
         return cdi.channel_edits(major, device.inject_channels)
 
     async def _daemon(self, device: DevicePlan) -> ContainerEdits:
         domain = device.domain
         domain_dir = Path(device.resource.domain_dir or "")
-        await asyncio.to_thread(domain_dir.mkdir, mode=0o755, parents=True, exist_ok=True)
+        await self.run_blocking(domain_dir.mkdir, mode=0o755, parents=True, exist_ok=True)
         clique = self.hardware.clique_id
-        cap = await asyncio.to_thread(self.hardware.fabric_imex_mgmt) if clique else None
+        cap = await self.run_blocking(self.hardware.fabric_imex_mgmt) if clique else None
         return cdi.daemon_edits(
             domain_dir=domain_dir,
             clique_id=clique,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from computedomain.api.constants import DRIVER_NAME
-from computedomain.kube.clock import Clock, MonotonicClock, run_within
+from computedomain.kube.clock import Clock, FakeClock, MonotonicClock, run_within
 from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CapabilityDevice, CdiSpecDir
 from computedomain.plugin.checkpoint import CheckpointStore
@@ -160,9 +160,15 @@ class FakeHardware:
         return CapabilityDevice(major=241, minor=4323, file_mode=256) if self._clique else None
 
 
+async def inline(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """RunBlocking without a thread."""
+    return func(*args, **kwargs)
+
+
 class Bed:
-    """A Preparer over fakes and a real checkpoint + CDI dir in tmp_path. Unit tests pass a FakeClock (the
-    budget, backoff and readiness timeouts then end when the test says); benchmarks keep real time."""
+    """A Preparer over fakes and a real checkpoint + CDI dir in tmp_path. Unit tests pass a FakeClock: the
+    budget, backoff and readiness timeouts end when the test moves it, and file I/O runs inline instead of in
+    worker threads, so nothing else takes time. Benchmarks keep real time and threads."""
 
     def __init__(
         self,
@@ -204,6 +210,7 @@ class Bed:
             hardware=self.hardware,
             host_check=host_check,
             clock=self.clock,
+            run_blocking=inline if isinstance(self.clock, FakeClock) else asyncio.to_thread,
         )
 
     def set_budget(self, budget_s: float) -> None:
