@@ -6,7 +6,7 @@ What it owns:
   our log line by line, restarts it with exponential backoff when it exits unasked (the backoff resets after
   a child ran longer than the maximum delay), restarts it on request (``restart``: only when the daemon's
   own index changed, or in legacy IP mode when the peer list changed), and stops it gracefully: SIGTERM,
-  then SIGKILL after ``stop_timeout``. A new child is spawned only after the previous one has been reaped
+  then SIGKILL after ``stop_timeout`` (on the injected clock, like the backoff). A new child is spawned only after the previous one has been reaped
   (``wait()`` returned), so there are never two IMEX daemons fighting for the same ports and node ID;
 * ``ReloadCoalescer``: IMEX honours SIGUSR1 (re-resolve peer names, reconnect) at most once per 5 s and
   silently drops the rest. A mapping change that arrives inside the window would be lost, so requests are
@@ -34,7 +34,7 @@ import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
 
-from computedomain.kube.clock import Clock, MonotonicClock
+from computedomain.kube.clock import Clock, MonotonicClock, run_within
 
 __all__ = ["ImexProcess", "ReloadCoalescer"]
 
@@ -188,8 +188,7 @@ class ImexProcess:
                 supervisor.cancel()
             code = await self._terminate_locked()
         if supervisor is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await supervisor
+            await asyncio.wait({supervisor})  # it was cancelled above; our own cancellation still propagates
         return code
 
     # ---- internals (lock held) ------------------------------------------------------------------------
@@ -217,7 +216,7 @@ class ImexProcess:
             with contextlib.suppress(ProcessLookupError):
                 child.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(child.wait(), self.stop_timeout)
+                await run_within(self._clock, self.stop_timeout, child.wait())
             except TimeoutError:
                 log.warning("%s pid=%d ignored SIGTERM for %gs; killing it", self.name, child.pid, self.stop_timeout)
                 with contextlib.suppress(ProcessLookupError):
@@ -233,8 +232,8 @@ class ImexProcess:
         await child.wait()
         if self._pump is not None:
             # The pipe closes when the child exits, unless it left a grandchild holding it: do not hang.
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._pump), 2.0)
+            # (asyncio.wait neither raises on its timeout nor swallows a cancellation of ours.)
+            await asyncio.wait({self._pump}, timeout=2.0)
             self._pump.cancel()
             self._pump = None
 

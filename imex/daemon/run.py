@@ -25,7 +25,6 @@ are tasks of one ``TaskGroup``. Signal handlers only set an event.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 from collections.abc import Coroutine
@@ -242,13 +241,15 @@ async def _until(stop: asyncio.Event, coro: Coroutine[Any, Any, T]) -> T | None:
     stopper = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
     finally:
         stopper.cancel()
     if task.done():
         return task.result()
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await asyncio.wait({task})  # unlike `await task`, this cannot mistake our own cancellation for its
     return None
 
 

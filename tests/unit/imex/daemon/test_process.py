@@ -2,8 +2,10 @@
 
 The child is a small Python program that records what happens to it (start, SIGTERM, SIGUSR1) in an event
 file and holds an exclusive flock on a shared lock file while alive: a second child alive at the same time
-cannot take the lock and records OVERLAP. Backoff is measured in fake time (``FakeClock``), so "restarted
-after the backoff, not before" is an exact assertion; real time is only waited on with generous guards.
+cannot take the lock and records OVERLAP. Backoff, the stop timeout and the SIGUSR1 window are measured in
+fake time (``FakeClock``), so "restarted after the backoff, not before" is an exact assertion: before it,
+the supervisor is provably still parked on the clock. Real time is only waited on for what the child does
+(start, exit), with generous guards; no assertion waits for something not to happen.
 """
 
 from __future__ import annotations
@@ -116,8 +118,7 @@ async def test_killed_child_is_restarted_after_exponential_backoff(child: Child)
     await until("backoff sleep", lambda: clock.sleepers == 1)
     assert not alive(first)  # reaped before anything else happens
     await clock.advance(1.9)
-    await asyncio.sleep(0.3)
-    assert proc.starts == 1, "restarted before the backoff elapsed"
+    assert clock.sleepers == 1 and proc.starts == 1, "restarted before the backoff elapsed"
     await clock.advance(0.2)
     await until("second start", lambda: len(child.pids("start")) == 2)
     second = child.pids("start")[1]
@@ -127,16 +128,15 @@ async def test_killed_child_is_restarted_after_exponential_backoff(child: Child)
     await until("second exit noticed", lambda: proc.unexpected_exits == 2)
     await until("backoff sleep", lambda: clock.sleepers == 1)
     await clock.advance(3.9)
-    await asyncio.sleep(0.3)
-    assert proc.starts == 2
+    assert clock.sleepers == 1 and proc.starts == 2
     await clock.advance(0.2)
     await until("third start", lambda: len(child.pids("start")) == 3)
 
     assert await proc.stop() == 0
     assert "OVERLAP" not in child.events.read_text()
+    assert clock.sleepers == 0 and not proc.wanted, "a stopped process has nothing left that could restart it"
     await clock.advance(1000)
-    await asyncio.sleep(0.2)
-    assert proc.starts == 3, "a stopped process must not be restarted"
+    assert proc.starts == 3
 
 
 async def test_backoff_resets_after_a_long_run(child: Child) -> None:
@@ -181,16 +181,22 @@ async def test_child_killed_during_restart_never_leaves_two_children(
     assert len(starts) == 2 and starts[0] == old and not alive(old)
     assert proc.pid == starts[1]
 
-    # The supervisor saw the old child die too; it must not add a third child, whatever the clock does.
+    # The supervisor saw the old child die too (the restart reaped it); it must not add a third child. It
+    # would first park on the clock for its backoff: it does not.
+    await clock.settle()
+    assert clock.sleepers == 0 and proc.unexpected_exits == 0
     await clock.advance(100)
-    await asyncio.sleep(0.5)
     assert len(child.pids("start")) == 2
-    assert proc.unexpected_exits == 0
     assert "OVERLAP" not in child.events.read_text()
 
     # A child that ignores SIGTERM is killed after the stop timeout.
-    proc.stop_timeout = 0.3
-    assert await proc.stop() == -signal.SIGKILL
+    proc.stop_timeout = 5.0
+    stopping = asyncio.create_task(proc.stop())
+    await until("SIGTERM ignored again", lambda: child.pids("term-ignored") == [old, starts[1]])
+    await clock.advance(4.9)
+    assert alive(starts[1]) and not stopping.done(), "killed before the stop timeout"
+    await clock.advance(0.2)
+    assert await asyncio.wait_for(stopping, GUARD_S) == -signal.SIGKILL
     assert not alive(starts[1])
 
 
@@ -214,12 +220,10 @@ async def test_reload_reaches_the_child_as_one_sigusr1_per_window(child: Child) 
     # Just started: the child resolved everything itself, so a reload waits for the window.
     proc.request_reload()
     proc.request_reload()
-    await asyncio.sleep(0.2)
-    assert child.pids("usr1") == []
+    assert proc.reloads.sent == 0 and proc.reloads.pending and proc.reloads.coalesced == 1
     await clock.advance(5.3)
     await until("one SIGUSR1", lambda: len(child.pids("usr1")) == 1)
-    await asyncio.sleep(0.2)
-    assert len(child.pids("usr1")) == 1
+    assert proc.reloads.sent == 1 and not proc.reloads.pending
     await proc.stop()
 
 
