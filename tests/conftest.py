@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -62,6 +63,20 @@ class Cluster:
         args = ["get", kind, name, "-o", "json"] + (["-n", namespace] if namespace else [])
         result: dict[str, Any] = json.loads(self.kubectl(*args))
         return result
+
+
+SEED_ENV = "TEST_SEED"
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """The seed of a random test: drawn afresh each run, or TEST_SEED to replay one. It is printed (pytest
+    shows it with a failure) and recorded as a property of the test (junit XML)."""
+    given = os.environ.get(SEED_ENV)
+    value = int(given) if given else random.SystemRandom().randrange(2**32)
+    print(f"seed={value} (replay: {SEED_ENV}={value} python -m pytest '{request.node.nodeid}')")
+    request.node.user_properties.append(("seed", value))
+    return value
 
 
 @pytest.fixture(scope="session")

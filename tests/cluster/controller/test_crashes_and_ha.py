@@ -90,14 +90,14 @@ async def _crash_iterations(h: Harness, make_node: MakeNode, iterations: int, se
 
 
 @pytest.mark.timeout(300)
-async def test_sigkill_during_create_and_delete(harness: Harness, make_node: MakeNode) -> None:
-    await _crash_iterations(harness, make_node, iterations=int(os.environ.get("CRASH_ITERATIONS", "10")), seed=1)
+async def test_sigkill_during_create_and_delete(harness: Harness, make_node: MakeNode, seed: int) -> None:
+    await _crash_iterations(harness, make_node, iterations=int(os.environ.get("CRASH_ITERATIONS", "10")), seed=seed)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-async def test_sigkill_many_iterations(harness: Harness, make_node: MakeNode) -> None:
-    await _crash_iterations(harness, make_node, iterations=60, seed=int(time.time()))
+async def test_sigkill_many_iterations(harness: Harness, make_node: MakeNode, seed: int) -> None:
+    await _crash_iterations(harness, make_node, iterations=60, seed=seed)
 
 
 # --- leader election -----------------------------------------------------------------------------------

@@ -65,8 +65,8 @@ async def kill_during(
     await harness.restart_plugin(node)
 
 
-async def crash_rounds(harness: Harness, iterations: int) -> None:
-    rng = random.Random(int(os.environ.get("PLUGIN_CRASH_SEED", "0")) or None)
+async def crash_rounds(harness: Harness, iterations: int, seed: int) -> None:
+    rng = random.Random(seed)
     node = await harness.add_node()
     cd = harness.create_cd("crash")
     template = harness.channel_template(cd)
@@ -106,14 +106,14 @@ async def crash_rounds(harness: Harness, iterations: int) -> None:
 
 
 @pytest.mark.timeout(900)
-async def test_sigkill_during_prepare_and_unprepare(harness: Harness) -> None:
-    await crash_rounds(harness, ITERATIONS)
+async def test_sigkill_during_prepare_and_unprepare(harness: Harness, seed: int) -> None:
+    await crash_rounds(harness, ITERATIONS, seed)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-async def test_sigkill_during_prepare_and_unprepare_long(harness: Harness) -> None:
-    await crash_rounds(harness, 40)
+async def test_sigkill_during_prepare_and_unprepare_long(harness: Harness, seed: int) -> None:
+    await crash_rounds(harness, 40, seed)
 
 
 @pytest.mark.timeout(240)
