@@ -26,6 +26,7 @@ from typing import Final
 
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, ReadyStatus, clique_name
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient
+from computedomain.kube.clock import Clock, MonotonicClock, run_within
 from computedomain.kube.informer import Informer
 from computedomain.plugin.collaborators import DomainInfo
 from computedomain.plugin.failures import NotReadyError, RetryableError
@@ -135,8 +136,10 @@ class DaemonReadinessWatch:
         driver_namespace: str,
         use_cliques: bool,
         dns_names: bool,
+        clock: Clock | None = None,
     ) -> None:
         self.node_name = node_name
+        self._clock: Clock = clock or MonotonicClock()
         self.use_cliques = use_cliques
         self.dns_names = dns_names
         self.domains = domains
@@ -195,22 +198,24 @@ class DaemonReadinessWatch:
         )
 
     async def wait_ready(self, domain: DomainInfo, clique_id: str, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(timeout_s, 0.0)
+        try:
+            await run_within(self._clock, max(timeout_s, 0.0), self._until_ready(domain, clique_id))
+        except TimeoutError:
+            if not all(i.synced for i in self.informers()):
+                raise NotReadyError(f"node {self.node_name}: ComputeDomainClique cache not synced yet") from None
+            raise NotReadyError(self.check(domain, clique_id).why) from None
+
+    async def _until_ready(self, domain: DomainInfo, clique_id: str) -> None:
         for informer in self.informers():
-            if not await informer.has_synced(max(deadline - loop.time(), 0.0)):
-                raise NotReadyError(f"node {self.node_name}: ComputeDomainClique cache not synced yet")
+            await informer.has_synced()
+        logged = False
         while True:
             # Register interest before evaluating, so an event between the two is not lost.
             event = self._changed.setdefault(domain.uid, asyncio.Event())
             state = self.check(domain, clique_id)
             if state.ready:
                 return
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise NotReadyError(state.why)
-            try:
-                async with asyncio.timeout(remaining):
-                    await event.wait()
-            except TimeoutError:
-                raise NotReadyError(self.check(domain, clique_id).why) from None
+            if not logged:
+                logged = True
+                log.info("waiting for this node's IMEX daemon: %s", state.why)
+            await event.wait()

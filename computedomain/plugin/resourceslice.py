@@ -237,4 +237,6 @@ class SlicePublisher:
                 )
             except (Conflict, NotFound):
                 self.loop.add(_KEY)
-        self.synced.set()
+        if not self.synced.is_set():
+            log.info("ResourceSlice in sync node=%s", self.node_name)
+            self.synced.set()
