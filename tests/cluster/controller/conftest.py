@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
 from computedomain.controller.app import Controller
@@ -85,6 +86,8 @@ class Harness:
     cd_ns: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    cluster_scoped: list[tuple[str, str]] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
 
     def kubectl(self, *args: str, check: bool = True) -> str:
         return self.cluster.kubectl(*args, check=check)
@@ -108,12 +111,13 @@ class Harness:
         created: dict[str, Any] = json.loads(out)
         return created
 
-    def daemon_pod(self, cd_uid: str, node: str, clique_id: str) -> str:
+    def daemon_pod(self, cd_uid: str, node: str, clique_id: str, namespace: str | None = None) -> str:
         """A pod standing in for the domain's IMEX daemon on ``node`` (kwok runs it): the controller keeps the
         clique entries of nodes that have one and prunes the others. Its controller is a ConfigMap, so the
         domain's DaemonSet neither adopts nor deletes it (the node carries no CD label)."""
+        ns = namespace or self.driver_ns
         code, out = self.cluster.create(
-            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"stand-in-{node}"}}, self.driver_ns
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"stand-in-{node}"}}, ns
         )
         assert code == 0, out
         owner = {
@@ -138,21 +142,67 @@ class Harness:
                 "containers": [{"name": "compute-domain-daemon", "image": "compute-domain-daemon:test"}],
             },
         }
-        self.cluster.apply(pod, self.driver_ns)
+        self.cluster.apply(pod, ns)
         return name
+
+    def restricted_kubeconfig(self, *, without: tuple[str, str]) -> Path:
+        """Credentials of a ServiceAccount with the chart's controller RBAC (``manifests/base``) minus one
+        ``(resource, verb)``: what a cluster whose ClusterRole lacks that verb gives the controller."""
+        resource, verb = without
+        sa = f"ctl-{uuid.uuid4().hex[:6]}"
+        self.kubectl("create", "serviceaccount", sa, "-n", self.driver_ns)
+        docs = list(yaml.safe_load_all((REPO / "manifests" / "base" / "rbac-controller.yaml").read_text()))
+
+        def rules(kind: str, name_suffix: str) -> list[dict[str, Any]]:
+            doc = next(d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix))
+            out = []
+            for rule in doc["rules"]:
+                verbs = [v for v in rule["verbs"] if not (resource in rule["resources"] and v == verb)]
+                if verbs:
+                    out.append({**rule, "verbs": verbs})
+            return out
+
+        subject = [{"kind": "ServiceAccount", "name": sa, "namespace": self.driver_ns}]
+        cluster_name = f"test-{self.driver_ns}-{sa}"
+        objects = [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": cluster_name},
+             "rules": rules("ClusterRole", "-controller")},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": cluster_name}, "subjects": subject,
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_name}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": sa, "namespace": self.driver_ns}, "rules": rules("Role", "controller")},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": sa, "namespace": self.driver_ns}, "subjects": subject,
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa}},
+        ]  # fmt: skip
+        self.cluster.apply(objects)
+        self.cluster_scoped += [("clusterrole", cluster_name), ("clusterrolebinding", cluster_name)]
+        token = self.kubectl("create", "token", sa, "-n", self.driver_ns, "--duration=1h").strip()
+        config = json.loads(self.kubectl("config", "view", "--raw", "-o", "json"))
+        config["users"] = [{"name": sa, "user": {"token": token}}]
+        for context in config["contexts"]:
+            context["context"]["user"] = sa
+        path = REPO / ".cluster" / f"kubeconfig-{sa}"
+        path.write_text(json.dumps(config))
+        path.chmod(0o600)
+        self.files.append(path)
+        return path
 
     def settings(self, **env: str) -> ControllerSettings:
         return load_settings(ControllerSettings, [], environ=env_for(self.cluster, self.driver_ns, **env))
 
     @contextlib.asynccontextmanager
-    async def controller(self, **env: str) -> AsyncIterator[Controller]:
-        """An in-process controller, running until the block ends."""
+    async def controller(
+        self, *, kubeconfig: Path | None = None, wait_ready: bool = True, **env: str
+    ) -> AsyncIterator[Controller]:
+        """An in-process controller (as ``kubeconfig``'s identity, by default the admin), until the block ends."""
         settings = self.settings(**env)
-        client = await KubeClient.connect(kubeconfig=self.cluster.kubeconfig)
+        client = await KubeClient.connect(kubeconfig=kubeconfig or self.cluster.kubeconfig)
         ctl = Controller(settings, client, cd_namespace=self.cd_ns, identity=f"test-{uuid.uuid4().hex[:6]}")
         task = asyncio.create_task(ctl.run(), name="controller-under-test")
         try:
-            while not ctl.ready:
+            while wait_ready and not ctl.ready:
                 if task.done():
                     task.result()
                 await asyncio.sleep(0.02)
@@ -186,6 +236,10 @@ class Harness:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
+        for kind, name in self.cluster_scoped:
+            self.kubectl("delete", kind, name, "--wait=false", check=False)
+        for path in self.files:
+            path.unlink(missing_ok=True)
 
 
 def free_port() -> int:

@@ -108,6 +108,6 @@ async def test_a_domain_missing_from_a_lagging_cache_is_not_deleted(harness: Har
 
 
 async def ctl_reconcile(ctl: Any, uid: str) -> Any:
-    from computedomain.controller.executor import Reconciler
+    from computedomain.controller.executor import Reconciler, Writer
 
-    return await Reconciler(ctl.client, ctl.caches, ctl.settings).reconcile(uid)
+    return await Reconciler(Writer(ctl.client, ctl.caches, None), ctl.settings).reconcile(uid)

@@ -94,7 +94,9 @@ async def test_status_aggregates_namespaces_and_non_fabric_pods(harness: Harness
     try:
         async with h.controller(ADDITIONAL_NAMESPACES=extra_ns):
             uid = h.create_cd("eps", num_nodes=3)["metadata"]["uid"]
-            for ns, clique_id, node_name in ((h.driver_ns, "c0ffee.5", "gb-x"), (extra_ns, "c0ffee.6", "gb-y")):
+            gb_x, gb_y = (make_node()["metadata"]["name"] for _ in range(2))
+            for ns, clique_id, node_name in ((h.driver_ns, "c0ffee.5", gb_x), (extra_ns, "c0ffee.6", gb_y)):
+                h.daemon_pod(uid, node_name, clique_id, namespace=ns)  # the daemon whose entry it is
                 h.cluster.apply(
                     {
                         "apiVersion": "resource.nvidia.com/v1beta1",
@@ -154,9 +156,9 @@ async def test_status_aggregates_namespaces_and_non_fabric_pods(harness: Harness
                 return nodes if cpu in nodes and nodes[cpu]["status"] == pod_ready() else None
 
             nodes = await eventually(mirrored, what="the non-fabric entry mirrors its pod's readiness")
-            assert set(nodes) == {"gb-x", "gb-y", cpu}
+            assert set(nodes) == {gb_x, gb_y, cpu}
             assert (nodes[cpu]["cliqueID"], nodes[cpu]["index"], nodes[cpu]["ipAddress"] != "") == ("", -1, True)
-            assert nodes["gb-y"]["cliqueID"] == "c0ffee.6"
+            assert nodes[gb_y]["cliqueID"] == "c0ffee.6"
             expected = "Ready" if nodes[cpu]["status"] == "Ready" else "NotReady"
             assert status()["status"] == expected
     finally:
