@@ -56,12 +56,18 @@ def fake_node(name: str, *, clique: bool = True) -> SimulatedNode:
 
 @pytest.fixture(scope="session")
 def standin_kwok(cluster: Cluster) -> Iterator[None]:
+    with running_standin_kwok(cluster.local):
+        yield
+
+
+@contextlib.contextmanager
+def running_standin_kwok(local: LocalCluster) -> Iterator[None]:
+    """A kwok for the nodes these tests make (annotation ``kwok.x-k8s.io/node=standin``) on ``local``."""
     bin_dir = Path(
         subprocess.run(
             [str(REPO / "testbin" / "build.sh"), "--print"], check=True, capture_output=True, text=True
         ).stdout.strip()
     )
-    local: LocalCluster = cluster.local
     log = (local.logs / f"kwok-standin-{os.getpid()}.log").open("ab")
     proc = subprocess.Popen(
         [
@@ -120,6 +126,7 @@ class PluginProcess:
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         handle = self.log_path.open("ab")
         handle.write(f"\n===== start {self.starts} =====\n".encode())
         handle.flush()
