@@ -40,7 +40,7 @@ from computedomain.controller.executor import Reconciler, Sweeper, Writer
 from computedomain.controller.report import DomainReporter
 from computedomain.http import start_http
 from computedomain.kube.client import KubeClient
-from computedomain.kube.converge import Converger
+from computedomain.kube.converge import Converger, Retries
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
@@ -182,18 +182,13 @@ class Controller:
         self.leading = True
         log.info("leading identity=%s mode=%s", self.identity, self.settings.imex_mode.value)
         s = self.settings
-        retries: dict[str, Any] = {
-            "backoff_initial": s.retry_backoff_initial,
-            "backoff_max": s.retry_backoff_max,
-            "warn_after": s.retry_warn_after,
-            "stuck_recheck": s.stuck_recheck_period,
-        }
+        retries = Retries.of(s)
         writer = Writer(self.client, self.caches, self.recorder)
-        sweeper = Sweeper(writer, period=s.sweep_period, **retries)
+        sweeper = Sweeper(writer, period=s.sweep_period, retries=retries)
         caches = self.caches
         reconciler = Reconciler(writer, s, after_reconcile=sweeper.request)
         loop: Converger[str] = Converger(
-            QUEUE_NAME, reconciler.reconcile, workers=s.workers, reporter=DomainReporter(writer), **retries
+            QUEUE_NAME, reconciler.reconcile, workers=s.workers, reporter=DomainReporter(writer), retries=retries
         )
         self.loop, self.sweeper = loop, sweeper
 

@@ -66,7 +66,15 @@ from computedomain.kube.client import (
     Resource,
 )
 from computedomain.kube.clock import utcnow
-from computedomain.kube.converge import DONE, Converger, ReconcileResult, RequeueAfter, Stuck
+from computedomain.kube.converge import (
+    DEFAULT_RETRIES,
+    DONE,
+    Converger,
+    ReconcileResult,
+    RequeueAfter,
+    Retries,
+    Stuck,
+)
 from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
 from computedomain.settings import ControllerSettings
@@ -371,9 +379,13 @@ class Sweeper:
 
     KEY = "sweep"
 
-    def __init__(self, writer: Writer, *, period: float = 600.0, spacing: float = 1.0, **loop: Any) -> None:
+    def __init__(
+        self, writer: Writer, *, period: float = 600.0, spacing: float = 1.0, retries: Retries = DEFAULT_RETRIES
+    ) -> None:
         self.writer = writer
-        self.loop: Converger[str] = Converger("orphan-sweep", self._reconcile, spacing=spacing, every=period, **loop)
+        self.loop: Converger[str] = Converger(
+            "orphan-sweep", self._reconcile, spacing=spacing, every=period, retries=retries
+        )
 
     def request(self) -> None:
         self.loop.add(self.KEY)

@@ -12,7 +12,9 @@ What it guarantees, whatever the reconcile:
   keeps a key from starting more often than once per ``spacing`` seconds (the sweeper), and ``every``
   re-adds a key that long after each success (periodic work).
 * **Backoff with jitter**: a failed run is retried after ``backoff_initial * 2**n`` (capped at
-  ``backoff_max``, times 1..1.1 random), and never sooner than a 429's ``Retry-After``.
+  ``backoff_max``, times 1..1.1 random), and never sooner than a 429's ``Retry-After``. The numbers are a
+  ``Retries`` policy, which each process takes from its settings (``Retries.of``: ``RETRY_BACKOFF_*``,
+  ``RETRY_WARN_AFTER``, ``STUCK_RECHECK_PERIOD``).
 * **Escalation by what the error is, not by its class name** (``classify``):
 
   - *transient* (5xx, 404/409/410/429, no answer, timeouts, I/O errors): retried quietly (debug log);
@@ -53,6 +55,7 @@ from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
 from computedomain.kube.workqueue import DONE, Done, QueueShutDown, ReconcileResult, RequeueAfter, WorkQueue
 
 __all__ = [
+    "DEFAULT_RETRIES",
     "DONE",
     "Converger",
     "Done",
@@ -60,6 +63,8 @@ __all__ = [
     "ReconcileResult",
     "Reporter",
     "RequeueAfter",
+    "Retries",
+    "RetrySettings",
     "Severity",
     "Stuck",
     "classify",
@@ -88,6 +93,44 @@ ESCALATIONS = Counter(
     "Keys whose failures were escalated, by severity (repeated, permanent).",
     ["name", "severity"],
 )
+
+
+class RetrySettings(Protocol):
+    """What ``Retries.of`` reads from a process's settings."""
+
+    @property
+    def retry_backoff_initial(self) -> float: ...
+
+    @property
+    def retry_backoff_max(self) -> float: ...
+
+    @property
+    def retry_warn_after(self) -> int: ...
+
+    @property
+    def stuck_recheck_period(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Retries:
+    """How a loop retries: backoff bounds, failures before a warning, and the recheck of a parked key."""
+
+    backoff_initial: float = 0.005
+    backoff_max: float = 300.0
+    warn_after: int = 5
+    stuck_recheck: float = 300.0
+
+    @classmethod
+    def of(cls, settings: RetrySettings) -> Retries:
+        return cls(
+            settings.retry_backoff_initial,
+            settings.retry_backoff_max,
+            settings.retry_warn_after,
+            settings.stuck_recheck_period,
+        )
+
+
+DEFAULT_RETRIES = Retries()
 
 
 class Severity(StrEnum):
@@ -168,10 +211,7 @@ class Converger(Generic[K]):
         reconcile: Callable[[K], Awaitable[ReconcileResult]],
         *,
         workers: int = 1,
-        backoff_initial: float = 0.005,
-        backoff_max: float = 300.0,
-        warn_after: int = 5,
-        stuck_recheck: float = 300.0,
+        retries: Retries = DEFAULT_RETRIES,
         spacing: float = 0.0,
         every: float | None = None,
         reporter: Reporter[K] | None = None,
@@ -182,13 +222,15 @@ class Converger(Generic[K]):
         self.name = name
         self._reconcile = reconcile
         self.workers = max(1, workers)
-        self.warn_after = max(1, warn_after)
-        self.stuck_recheck = stuck_recheck
+        self.warn_after = max(1, retries.warn_after)
+        self.stuck_recheck = retries.stuck_recheck
         self.spacing = spacing
         self.every = every
         self.reporter = reporter
         self.clock: Clock = clock or MonotonicClock()
-        backoff: ItemBackoff[K] = ItemBackoff(base=backoff_initial, cap=backoff_max, jitter=0.1, rng=rng)
+        backoff: ItemBackoff[K] = ItemBackoff(
+            base=retries.backoff_initial, cap=retries.backoff_max, jitter=0.1, rng=rng
+        )
         # Failure re-adds of all keys together are rate limited too (client-go's 10/s, burst 100), so that
         # many failing keys cannot retry in a storm.
         bucket = TokenBucket(retry_rate, 100, clock=self.clock)

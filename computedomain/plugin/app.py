@@ -47,6 +47,7 @@ from aiohttp import web
 from computedomain.api.constants import DRIVER_NAME
 from computedomain.http import EndpointError, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
+from computedomain.kube.converge import Retries
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import Informer
 from computedomain.kube.informer import problems as informer_problems
@@ -138,12 +139,7 @@ class NodeAgent:
             hardware=self.hardware,
             host_check=host_check,
         )
-        self.retries: dict[str, Any] = {
-            "backoff_initial": settings.retry_backoff_initial,
-            "backoff_max": settings.retry_backoff_max,
-            "warn_after": settings.retry_warn_after,
-            "stuck_recheck": settings.stuck_recheck_period,
-        }
+        self.retries = Retries.of(settings)
         self.cleanup = Cleanup(
             self.preparer,
             self.cdi,
@@ -151,14 +147,14 @@ class NodeAgent:
             known_domains=lambda: self.domains.known_uids() if self.domains.informer.synced else None,
             domains_dir=self.preparer.config.domains_dir,
             interval_s=settings.cleanup_interval,
-            **self.retries,
+            retries=self.retries,
         )
         self.clique_labeler = CliqueLabeler(
             self.labels,
             self.hardware,
             enabled=settings.gpu_clique_label_enabled,
             refresh_s=settings.clique_refresh_interval,
-            **self.retries,
+            retries=self.retries,
         )
         health_port = settings.health_port if settings.health_port >= 0 else None
         self.server = PluginServer(
@@ -223,7 +219,7 @@ class NodeAgent:
             devices=devices,
             events=self.events,
             no_imex_reason=no_imex,
-            **self.retries,
+            retries=self.retries,
         )
         log.info(
             "node agent starting node=%s mode=%s clique=%r imex=%s reboot_invalidated=%d plugin_dir=%s cdi_root=%s",

@@ -29,10 +29,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from computedomain.kube.clock import utcnow
-from computedomain.kube.converge import DONE, Converger, ReconcileResult
+from computedomain.kube.converge import DEFAULT_RETRIES, DONE, Converger, ReconcileResult, Retries
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.checkpoint import DEFAULT_TOMBSTONE_TTL, Checkpoint, ClaimState, expire_tombstones
 from computedomain.plugin.prepare import Preparer
@@ -66,7 +66,7 @@ class Cleanup:
         interval_s: float = DEFAULT_INTERVAL_S,
         tombstone_ttl: timedelta = DEFAULT_TOMBSTONE_TTL,
         clock: Callable[[], datetime] = utcnow,
-        **loop: Any,
+        retries: Retries = DEFAULT_RETRIES,
     ) -> None:
         """known_domains returns the UIDs of existing ComputeDomains, or None while that is unknown (cache
         not synced): then no domain directory is removed."""
@@ -80,7 +80,7 @@ class Cleanup:
         self.tombstone_ttl = tombstone_ttl
         self.clock = clock
         self._lock = asyncio.Lock()
-        self.loop: Converger[str] = Converger("cleanup", self._reconcile, every=interval_s, **loop)
+        self.loop: Converger[str] = Converger("cleanup", self._reconcile, every=interval_s, retries=retries)
 
     async def run(self) -> None:
         self.loop.add("cleanup")

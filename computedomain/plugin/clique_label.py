@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Final
+from typing import Final
 
 from computedomain.api.constants import GPU_CLIQUE_NODE_LABEL
-from computedomain.kube.converge import DONE, Converger, ReconcileResult
+from computedomain.kube.converge import DEFAULT_RETRIES, DONE, Converger, ReconcileResult, Retries
 from computedomain.plugin.cdi import CapabilityDevice
 from computedomain.plugin.node_labels import NodeLabels
 from imex.discovery import HardwareDiscovery, HardwareError
@@ -104,13 +104,12 @@ class CliqueLabeler:
         *,
         enabled: bool,
         refresh_s: float = DEFAULT_REFRESH_S,
-        **loop: Any,
+        retries: Retries = DEFAULT_RETRIES,
     ) -> None:
-        """``loop``: retry settings of the convergence loop (``Converger``'s keyword arguments)."""
         self.labels = labels
         self.hardware = hardware
         self.enabled = enabled
-        self.loop: Converger[str] = Converger("clique", self._reconcile, every=refresh_s, **loop)
+        self.loop: Converger[str] = Converger("clique", self._reconcile, every=refresh_s, retries=retries)
 
     async def sync(self) -> None:
         value = desired_label(self.hardware.clique_id)

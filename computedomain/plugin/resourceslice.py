@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from computedomain.api.constants import DRIVER_NAME
 from computedomain.kube.client import NODES, RESOURCE_SLICES, KubeClient, Raw
-from computedomain.kube.converge import DONE, Converger, ReconcileResult
+from computedomain.kube.converge import DEFAULT_RETRIES, DONE, Converger, ReconcileResult, Retries
 from computedomain.kube.errors import AlreadyExists, Conflict, NotFound
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
 from computedomain.kube.informer import Informer
@@ -146,9 +146,8 @@ class SlicePublisher:
         events: EventRecorder | None = None,
         no_imex_reason: str | None = None,
         driver: str = DRIVER_NAME,
-        **loop: Any,
+        retries: Retries = DEFAULT_RETRIES,
     ) -> None:
-        """``loop``: retry settings of the convergence loop (``Converger``'s keyword arguments)."""
         self.client = client
         self.node_name = node_name
         self.devices = tuple(devices)
@@ -162,7 +161,7 @@ class SlicePublisher:
             field_selector=f"spec.nodeName={node_name},spec.driver={driver}",
             name="resourceslices",
         )
-        self.loop: Converger[str] = Converger("resourceslice", self._reconcile, **loop)
+        self.loop: Converger[str] = Converger("resourceslice", self._reconcile, retries=retries)
         self.informer.add_handler(
             on_add=lambda _: self.loop.add(_KEY),
             on_update=lambda _old, _new: self.loop.add(_KEY),

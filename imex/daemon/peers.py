@@ -35,15 +35,14 @@ from computedomain.api.limits import brief, shown
 from computedomain.atomic import write_atomically
 from computedomain.kube.client import KubeClient, Raw
 from computedomain.kube.clock import Clock
-from computedomain.kube.converge import DONE, ReconcileResult
+from computedomain.kube.converge import DEFAULT_RETRIES, DONE, Converger, ReconcileResult, Retries
 from computedomain.kube.informer import Informer
 from imex.config import render_nodes_cfg_ips
 from imex.daemon.process import ImexProcess
 from imex.daemon.registration import DaemonEntry, Registry
-from imex.daemon.settings import DEFAULT_RETRIES, Retries
 from imex.hosts_file import HostEntry, is_ip_address, slot_entries, update_hosts_file
 
-__all__ = ["DEFAULT_RETRIES", "Action", "Applied", "Decision", "PeerSync", "PeerView", "Retries", "decide", "peer_view"]
+__all__ = ["Action", "Applied", "Decision", "PeerSync", "PeerView", "decide", "peer_view"]
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +197,7 @@ class PeerSync:
             field_selector=f"metadata.name={b.name}",
             name=f"peers/{b.name}",
         )
-        self.loop = retries.loop(f"peers/{b.name}", self._reconcile, clock)
+        self.loop: Converger[str] = Converger(f"peers/{b.name}", self._reconcile, retries=retries, clock=clock)
         self.informer.add_handler(
             on_add=lambda _o: self.loop.add(_KEY),
             on_update=lambda _o, _n: self.loop.add(_KEY),

@@ -25,10 +25,9 @@ from typing import Any
 from computedomain.api.models import ReadyStatus
 from computedomain.kube.client import PODS, KubeClient, Raw
 from computedomain.kube.clock import Clock
-from computedomain.kube.converge import DONE, ReconcileResult
+from computedomain.kube.converge import DEFAULT_RETRIES, DONE, Converger, ReconcileResult, Retries
 from computedomain.kube.informer import Informer
 from imex.daemon.registration import Registry
-from imex.daemon.settings import DEFAULT_RETRIES, Retries
 
 __all__ = ["ReadinessMirror", "pod_status"]
 
@@ -68,7 +67,7 @@ class ReadinessMirror:
         self.namespace = namespace
         self.pod_name = pod_name
         self.pod_uid = pod_uid
-        self.loop = retries.loop(f"readiness/{pod_name}", self._reconcile, clock)
+        self.loop: Converger[str] = Converger(f"readiness/{pod_name}", self._reconcile, retries=retries, clock=clock)
         self.informer: Informer[Raw] = Informer(
             client,
             PODS,

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from computedomain.api.constants import CLIQUE_LABEL
 from computedomain.atomic import write_atomically
 from computedomain.kube.client import PODS, KubeClient
+from computedomain.kube.converge import Retries
 from computedomain.kube.errors import KubeError
 from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
 from imex.daemon.peers import PeerFiles, PeerSync
@@ -126,7 +127,7 @@ def build(settings: DaemonSettings, client: KubeClient) -> Daemon:
         nodes_cfg=settings.nodes_cfg_path,
         max_nodes=settings.max_nodes,
     )
-    retries = settings.retries
+    retries = Retries.of(settings)
     peers = PeerSync(client, registry, process, files, dns_names=settings.dns_names, retries=retries)
     readiness = ReadinessMirror(
         client,

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
 from computedomain.api.limits import brief
@@ -34,39 +32,7 @@ from computedomain.settings import (
 )
 from imex.config import hostname_prefix
 
-if TYPE_CHECKING:  # `check` runs as a fresh process every probe period: keep its imports light
-    from computedomain.kube.clock import Clock
-    from computedomain.kube.converge import Converger, ReconcileResult
-
-__all__ = ["DEFAULT_RETRIES", "DaemonSettings", "Retries"]
-
-
-@dataclass(frozen=True)
-class Retries:
-    """How the daemon's loops retry (``DaemonSettings.retries``)."""
-
-    backoff_initial: float = 0.2
-    backoff_max: float = 30.0
-    warn_after: int = 5
-    stuck_recheck: float = 300.0
-
-    def loop(
-        self, name: str, reconcile: Callable[[str], Awaitable[ReconcileResult]], clock: Clock | None
-    ) -> Converger[str]:
-        from computedomain.kube.converge import Converger
-
-        return Converger(
-            name,
-            reconcile,
-            backoff_initial=self.backoff_initial,
-            backoff_max=self.backoff_max,
-            warn_after=self.warn_after,
-            stuck_recheck=self.stuck_recheck,
-            clock=clock,
-        )
-
-
-DEFAULT_RETRIES = Retries()
+__all__ = ["DaemonSettings"]
 
 _CLIQUE_ID = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?", re.ASCII)
 
@@ -142,15 +108,6 @@ class DaemonSettings(CommonSettings):
             raise SettingsError(f"CLIQUE_ID {brief(self.clique_id)} is malformed; want <clusterUUID>.<cliqueId>")
 
     # ---- derived -------------------------------------------------------------------------------------
-
-    @property
-    def retries(self) -> Retries:
-        return Retries(
-            backoff_initial=self.retry_backoff_initial,
-            backoff_max=self.retry_backoff_max,
-            warn_after=self.retry_warn_after,
-            stuck_recheck=self.stuck_recheck_period,
-        )
 
     @property
     def dns_names(self) -> bool:

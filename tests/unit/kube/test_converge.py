@@ -11,7 +11,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from computedomain.kube.clock import FakeClock
-from computedomain.kube.converge import DONE, Converger, Failure, ReconcileResult, RequeueAfter, Severity, Stuck
+from computedomain.kube.converge import (
+    DONE,
+    Converger,
+    Failure,
+    ReconcileResult,
+    RequeueAfter,
+    Retries,
+    Severity,
+    Stuck,
+)
 from computedomain.kube.errors import Conflict, Forbidden, Invalid, TooManyRequests, Transient
 
 pytestmark = pytest.mark.timeout(5)
@@ -43,12 +52,17 @@ async def running(clock: FakeClock) -> AsyncIterator[Callable[..., Converger[str
     tasks: list[asyncio.Task[None]] = []
 
     def start(reconcile: Reconcile, **kwargs: object) -> Converger[str]:
+        retries = Retries(
+            backoff_initial=0.005,
+            warn_after=kwargs.pop("warn_after", 5),  # type: ignore[arg-type]
+            stuck_recheck=kwargs.pop("stuck_recheck", 300.0),  # type: ignore[arg-type]
+        )
         loop: Converger[str] = Converger(
             "test",
             reconcile,
             clock=clock,
             rng=random.Random(7),
-            backoff_initial=0.005,
+            retries=retries,
             **kwargs,  # type: ignore[arg-type]
         )
         tasks.append(asyncio.create_task(loop.run()))
