@@ -21,6 +21,7 @@ from computedomain.plugin.cdi import CdiError
 from computedomain.plugin.checkpoint import ChannelInUseError, CheckpointError, LockTimeoutError, StalePrepareError
 from computedomain.plugin.opaque import ConfigError
 from imex.discovery import HardwareError
+from imex.host_check import HostCheckError
 
 __all__ = [
     "ClaimError",
@@ -71,6 +72,9 @@ def classify(exc: BaseException) -> ClaimError | None:
     """Map an error of a collaborator to retryable or rejected; None for unexpected ones (bugs)."""
     if isinstance(exc, ClaimError):
         return exc
+    if isinstance(exc, HostCheckError):
+        # The host IMEX daemon not READY, or its ctl missing, heals; a bad socket path does not.
+        return RetryableError(str(exc)) if exc.retryable else ClaimRejected(str(exc))
     if isinstance(exc, StalePrepareError | ConfigError | CdiError | ClaimNotFoundError | HardwareError):
         # HardwareError: e.g. no IMEX channel device in /proc/devices, a node without IMEX.
         return ClaimRejected(str(exc))
@@ -84,9 +88,6 @@ def classify(exc: BaseException) -> ClaimError | None:
         # is retried like any error the status code calls transient.
         kind = ClaimRejected if exc.permanent else RetryableError
         return kind(f"{type(exc).__name__}: {exc}")
-    retryable = getattr(exc, "retryable", None)  # imex.host_check errors carry it
-    if isinstance(retryable, bool):
-        return RetryableError(str(exc)) if retryable else ClaimRejected(str(exc))
     if isinstance(exc, OSError):
         return RetryableError(f"{type(exc).__name__}: {exc}")
     return None

@@ -11,14 +11,13 @@ DaemonSet (in the driver namespace) neither adopts nor replaces the stand-in pod
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from imex.hosts_file import SENTINEL_ADDRESS, read_block
 from tests.cluster.controller.conftest import Harness, compute_domain, eventually
+from tests.cluster.controller.conftest import harness as harness  # the controller tests' fixture
 from tests.cluster.imex.harness import Domain, wait_until
 from tests.conftest import Cluster
 
@@ -27,26 +26,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 CLIQUE = "8f2c1d9e-0000-4000-8000-0000000000c1.3"
 
 
-@pytest.fixture
-def controller_harness(cluster: Cluster, namespace: str) -> Iterator[Harness]:
-    driver_ns = f"drv-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", driver_ns)
-    h = Harness(cluster, driver_ns, namespace)
-    try:
-        yield h
-    finally:
-        h.stop_all()
-        cluster.kubectl(
-            "patch", "computedomain", "killed", "-n", namespace, "--type=merge", "-p",
-            '{"metadata":{"finalizers":null}}', check=False,
-        )  # fmt: skip
-        cluster.kubectl("delete", "namespace", driver_ns, "--wait=false", check=False)
-
-
 async def test_the_entry_of_a_daemon_killed_without_sigterm_is_pruned(
-    controller_harness: Harness, cluster: Cluster, namespace: str, tmp_path: Path
+    harness: Harness, cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
-    h = controller_harness
+    h = harness
     code, out = cluster.create(compute_domain("killed", num_nodes=3), namespace)
     assert code == 0, out
     uid = json.loads(out)["metadata"]["uid"]
