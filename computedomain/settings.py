@@ -25,6 +25,7 @@ from typing import Any, Final, TypeVar
 
 from computedomain.api.constants import DEFAULT_HOST_SOCKET_PATH, HEALTH_PORT, MAX_NODES_PER_IMEX_DOMAIN
 from computedomain.api.limits import brief
+from computedomain.goformats import GO_FALSE, GO_TRUE, klog_level, parse_duration
 
 
 class SettingsError(ValueError):
@@ -104,8 +105,9 @@ class FeatureGates:
             if not item:
                 continue
             name, sep, value = item.partition("=")
-            name, value = name.strip(), value.strip().lower()
-            if not sep or value not in ("true", "false"):
+            name, value = name.strip(), value.strip()
+            # Go's strconv.ParseBool forms (1, t, TRUE, ...) as the reference reads them, and any case.
+            if not sep or not (value.lower() in ("true", "false") or value in GO_TRUE | GO_FALSE):
                 raise SettingsError(f"FEATURE_GATES: item {brief(item)} must look like Name=true or Name=false")
             if name in FOREIGN_GATES:
                 continue
@@ -114,7 +116,7 @@ class FeatureGates:
             except ValueError:
                 known = ", ".join(g.value for g in FeatureGate)
                 raise SettingsError(f"FEATURE_GATES: unknown gate {brief(name)}; known gates: {known}") from None
-            explicit[gate] = value == "true"
+            explicit[gate] = value.lower() == "true" or value in GO_TRUE
         return cls(explicit)
 
 
@@ -192,6 +194,21 @@ MAX_KUBE_API_RATE: Final = 100_000
 MAX_NODES_LIMIT: Final = 10_000
 
 
+def _duration(env: str, _kind: Any, raw: str) -> float:
+    """A duration setting: seconds, or a Go duration as the reference's flags take it ("15s")."""
+    try:
+        return parse_duration(env, raw)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def _klog_level(env: str, raw: str) -> str:
+    try:
+        return klog_level(env, raw)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class CommonSettings:
     feature_gates_text: str = setting("FEATURE_GATES", "Feature gates, e.g. 'A=true,B=false'", default="")
@@ -220,6 +237,9 @@ class CommonSettings:
     )
     log_level: str = setting("LOG_LEVEL", "debug, info, warning or error", default="info")
     log_format: str = setting("LOG_FORMAT", "text or json", default="text")
+    log_verbosity: str = setting(
+        "LOG_VERBOSITY", "the reference's klog verbosity; when set it decides LOG_LEVEL (6 and up: debug)", default=""
+    )
 
     # Derived in __post_init__; never read from the environment.
     feature_gates: FeatureGates = field(default_factory=FeatureGates, metadata={"derived": True})
@@ -227,6 +247,8 @@ class CommonSettings:
     imex_isolation: ImexIsolation = field(default=ImexIsolation.DOMAIN, metadata={"derived": True})
 
     def __post_init__(self) -> None:
+        if self.log_verbosity:
+            object.__setattr__(self, "log_level", _klog_level("LOG_VERBOSITY", self.log_verbosity))
         gates = FeatureGates.parse(self.feature_gates_text)
         mode = _validate_imex(gates, self.imex_mode_text, self.imex_isolation_text)
         if mode is ImexMode.HOST_MANAGED:
@@ -320,6 +342,11 @@ class ControllerSettings(CommonSettings):
         "CD_DAEMON_IMAGE_PULL_SECRET_NAMES", "pull secrets of the daemon pods, comma separated", default=""
     )
     daemon_log_level: str = setting("LOG_LEVEL_CD_DAEMON", "log level handed to the daemons", default="info")
+    daemon_log_verbosity: str = setting(
+        "LOG_VERBOSITY_CD_DAEMON",
+        "the reference's klog verbosity for the daemons; when set it decides theirs",
+        default="",
+    )
     max_nodes_per_imex_domain: int = setting(
         "MAX_NODES_PER_IMEX_DOMAIN", "DNS slots per clique", default=MAX_NODES_PER_IMEX_DOMAIN
     )
@@ -340,9 +367,15 @@ class ControllerSettings(CommonSettings):
     leader_election_name: str = setting(
         "LEADER_ELECTION_LEASE_LOCK_NAME", "name of the Lease", default="nvidia-compute-domain-controller"
     )
-    leader_election_lease_duration: float = setting("LEADER_ELECTION_LEASE_DURATION", "seconds", default=15.0)
-    leader_election_renew_deadline: float = setting("LEADER_ELECTION_RENEW_DEADLINE", "seconds", default=10.0)
-    leader_election_retry_period: float = setting("LEADER_ELECTION_RETRY_PERIOD", "seconds", default=2.0)
+    leader_election_lease_duration: float = setting(
+        "LEADER_ELECTION_LEASE_DURATION", "seconds or a Go duration (15s)", default=15.0, convert=_duration
+    )
+    leader_election_renew_deadline: float = setting(
+        "LEADER_ELECTION_RENEW_DEADLINE", "seconds or a Go duration (10s)", default=10.0, convert=_duration
+    )
+    leader_election_retry_period: float = setting(
+        "LEADER_ELECTION_RETRY_PERIOD", "seconds or a Go duration (2s)", default=2.0, convert=_duration
+    )
     workers: int = setting("WORKERS", "ComputeDomains reconciled at the same time", default=32)
     sweep_period: float = setting(
         "SWEEP_PERIOD", "seconds between full orphan sweeps (they also run on events)", default=600.0
@@ -354,6 +387,10 @@ class ControllerSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.daemon_log_verbosity:
+            object.__setattr__(
+                self, "daemon_log_level", _klog_level("LOG_VERBOSITY_CD_DAEMON", self.daemon_log_verbosity)
+            )
         if self.http_endpoint:
             parse_endpoint(self.http_endpoint)
         check_max_nodes(self.max_nodes_per_imex_domain)
@@ -533,7 +570,7 @@ def load_settings(cls: type[S], argv: Sequence[str] = (), environ: Mapping[str, 
         if raw is None:
             raw = environ.get(env)
         if raw is not None:
-            values[option.name] = _convert(env, option.type, raw)
+            values[option.name] = option.metadata.get("convert", _convert)(env, option.type, raw)
     return cls(**values)
 
 
