@@ -83,6 +83,37 @@ class _DomainStatusCollector(Collector):
                 upstream.add_metric([status], n)
         yield ours
         yield upstream
+        yield from self._per_domain()
+
+    def _per_domain(self) -> Iterator[GaugeMetricFamily]:
+        """Per domain (not terminating): Ready or not, and its IMEX daemons by readiness (from its cliques,
+        else its status.nodes), for alerts that name the domain."""
+        ready = GaugeMetricFamily(
+            "computedomain_compute_domain_ready",
+            "1 while a ComputeDomain's status is Ready, else 0.",
+            labels=["namespace", "name"],
+        )
+        daemons = GaugeMetricFamily(
+            "computedomain_imex_daemons",
+            "IMEX daemons registered for a ComputeDomain, by readiness.",
+            labels=["namespace", "name", "status"],
+        )
+        if self.caches is not None and self.caches.cds.synced:
+            by_uid: dict[str, Tally[str]] = {}
+            for clique in self.caches.all_cliques():
+                tally = by_uid.setdefault(clique.domain_uid, Tally())
+                tally.update(d.status.value for d in clique.daemons or ())
+            for cd in self.caches.cds.list():
+                if cd.metadata.deletion_timestamp is not None:
+                    continue
+                key = [cd.metadata.namespace or "", cd.metadata.name or ""]
+                ready.add_metric(key, 1 if cd.status is not None and cd.status.status.value == "Ready" else 0)
+                nodes = (cd.status.nodes if cd.status else None) or ()
+                seen = by_uid.get(cd.metadata.uid or "") or Tally(n.status.value for n in nodes)
+                for status in ("Ready", "NotReady"):
+                    daemons.add_metric([*key, status], seen[status])
+        yield ready
+        yield daemons
 
 
 DOMAIN_STATUS = _DomainStatusCollector()

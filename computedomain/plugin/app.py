@@ -61,6 +61,7 @@ from computedomain.plugin.clique_label import CliqueLabeler, NodeHardware
 from computedomain.plugin.collaborators import HostCheck
 from computedomain.plugin.domains import DaemonReadinessWatch, DomainCache
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
+from computedomain.plugin.metrics import Instrumented, NodeState, watch_node
 from computedomain.plugin.node_labels import NodeLabels
 from computedomain.plugin.prepare import Preparer, PreparerConfig
 from computedomain.plugin.resourceslice import SlicePublisher, published_devices
@@ -158,11 +159,19 @@ class NodeAgent:
         )
         health_port = settings.health_port if settings.health_port >= 0 else None
         self.server = PluginServer(
-            self.preparer,
+            Instrumented(self.preparer, driver=DRIVER_NAME),
             self.paths,
             health_port=health_port,
             health_host=settings.pod_ip,
             readiness=lambda: self.readiness_problems(),
+        )
+        watch_node(
+            NodeState(
+                node=settings.node_name,
+                driver=DRIVER_NAME,
+                checkpoint=self.store.read,
+                registration=lambda: self.server.registration_status,
+            )
         )
         self.publisher: SlicePublisher | None = None
 
