@@ -44,11 +44,16 @@ def helm_binary() -> str:
     return os.environ.get("HELM") or shutil.which("helm") or "helm"
 
 
-def helm_template(*set_args: str, hooks: bool = False, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
-    """`helm template` of the chart as a list of objects, each with a `_source` key (its template)."""
+def helm_template(
+    *set_args: str, hooks: bool = False, namespace: str = NAMESPACE, values: tuple[Path, ...] = ()
+) -> list[dict[str, Any]]:
+    """`helm template` of the chart (with `values` files, then `set_args`) as a list of objects, each with a
+    `_source` key (its template)."""
     argv = [helm_binary(), "template", RELEASE, str(CHART), "--namespace", namespace]
     if not hooks:
         argv.append("--no-hooks")
+    for path in values:
+        argv += ["--values", str(path)]
     for item in set_args:
         argv += ["--set", item]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout

@@ -87,16 +87,17 @@ class _DomainStatusCollector(Collector):
 
     def _per_domain(self) -> Iterator[GaugeMetricFamily]:
         """Per domain (not terminating): Ready or not, and its IMEX daemons by readiness (from its cliques,
-        else its status.nodes), for alerts that name the domain."""
+        else its status.nodes), for alerts that name the domain. The labels are cd_namespace and cd_name:
+        a scrape adds `namespace` (the controller pod's) to every series."""
         ready = GaugeMetricFamily(
             "computedomain_compute_domain_ready",
             "1 while a ComputeDomain's status is Ready, else 0.",
-            labels=["namespace", "name"],
+            labels=["cd_namespace", "cd_name"],
         )
         daemons = GaugeMetricFamily(
             "computedomain_imex_daemons",
             "IMEX daemons registered for a ComputeDomain, by readiness.",
-            labels=["namespace", "name", "status"],
+            labels=["cd_namespace", "cd_name", "status"],
         )
         if self.caches is not None and self.caches.cds.synced:
             by_uid: dict[str, Tally[str]] = {}

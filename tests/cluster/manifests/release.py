@@ -31,10 +31,12 @@ def helm(cluster: Cluster, *args: str, check: bool = True, timeout: float = 300)
 
 
 def install_args(release: str, namespace: str, selector: str, *sets: str) -> list[str]:
-    """The shared cluster already has the DeviceClasses (tests/conftest.py) and other tests' GPU nodes:
-    leave the DeviceClasses alone and put this release's pods only on nodes labelled for it."""
+    """The shared cluster already has the DeviceClasses and current CRDs (tests/conftest.py) and other tests'
+    GPU nodes: leave the DeviceClasses and CRDs alone (no CRD hook Job, whose pod nothing would run on a kwok
+    node; the CRD test drives it itself) and put this release's pods only on nodes labelled for it."""
     base = [
         "resources.computeDomains.deviceClasses=false",
+        "crds.upgrade=false",
         f"controller.nodeSelector.{SELECT_LABEL.replace('.', chr(92) + '.')}={selector}",
         f"kubeletPlugin.nodeSelector.{SELECT_LABEL.replace('.', chr(92) + '.')}={selector}",
     ]
@@ -93,6 +95,7 @@ def pod_env(pod: dict[str, Any], container: str) -> dict[str, str]:
         "metadata.name": pod["metadata"]["name"],
         "metadata.namespace": pod["metadata"]["namespace"],
         "spec.nodeName": pod["spec"].get("nodeName", ""),
+        "status.podIP": pod.get("status", {}).get("podIP", ""),
     }
     (c,) = [c for c in pod["spec"]["containers"] if c["name"] == container]
     env = {}
@@ -138,7 +141,9 @@ CONTROLLER_SCRIPT = (
 
 def run_controller(cluster: Cluster, pod: dict[str, Any], tmp: Path, cd_namespace: str) -> subprocess.Popen[str]:
     """The controller container of `pod`, run here (see CONTROLLER_SCRIPT) for the domains of `cd_namespace`."""
-    return run_like_pod(cluster, pod, "controller", tmp, argv=[sys.executable, "-c", CONTROLLER_SCRIPT, cd_namespace])
+    return run_like_pod(
+        cluster, pod, "compute-domain", tmp, argv=[sys.executable, "-c", CONTROLLER_SCRIPT, cd_namespace]
+    )
 
 
 def mark_succeeded(cluster: Cluster, pod: dict[str, Any]) -> None:

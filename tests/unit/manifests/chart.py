@@ -55,18 +55,22 @@ class Rendered:
         return {o["metadata"]["name"] for o in self.all(kind)}
 
 
-def render(*sets: str, hooks: bool = False, namespace: str = generate.NAMESPACE) -> Rendered:
+def render(
+    *sets: str, hooks: bool = False, namespace: str = generate.NAMESPACE, values: tuple[Path, ...] = ()
+) -> Rendered:
     need_helm()
-    objects = generate.helm_template(*sets, hooks=hooks, namespace=namespace)
+    objects = generate.helm_template(*sets, hooks=hooks, namespace=namespace, values=values)
     for obj in objects:
         obj.pop("_source", None)
     return Rendered(objects)
 
 
-def template_error(*sets: str) -> str:
+def template_error(*sets: str, namespace: str = "default", values: tuple[Path, ...] = ()) -> str:
     """stderr of a `helm template` that must fail."""
     helm = need_helm()
-    argv = [helm, "template", "t", str(CHART)]
+    argv = [helm, "template", "t", str(CHART), "--namespace", namespace]
+    for path in values:
+        argv += ["--values", str(path)]
     for item in sets:
         argv += ["--set", item]
     result = subprocess.run(argv, capture_output=True, text=True)

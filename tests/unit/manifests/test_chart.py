@@ -56,7 +56,7 @@ def host() -> Rendered:
 
 
 def _controller(r: Rendered) -> dict[str, Any]:
-    return container(r.one("Deployment", component="controller"), "controller")
+    return container(r.one("Deployment", component="controller"), "compute-domain")
 
 
 def _agent(r: Rendered) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def test_values_reach_the_env() -> None:
         "featureGates.CrashOnNVLinkFabricErrors=false",
         "featureGates.MPSSupport=true",
         "kubeletPlugin.containers.computeDomains.gpuCliqueLabelEnabled=true",
-        "kubeletPlugin.healthcheckPort=6000",
+        "kubeletPlugin.containers.computeDomains.healthcheckPort=6000",
         "logLevel=debug",
         "controller.replicas=3",
         "controller.leaderElection.enabled=false",
@@ -139,29 +139,38 @@ def test_values_reach_the_env() -> None:
     }
 
 
-def test_node_agent_metrics_are_optional(default: Rendered) -> None:
+def test_node_agent_metrics(default: Rendered) -> None:
+    """On by default, as in the reference chart: HTTP_ENDPOINT from kubeletPlugin.metrics.computeDomainHttpEndpoint,
+    the container port and the scrape annotations from its port."""
     agent = _agent(default)
-    assert not {"HTTP_ENDPOINT", "METRICS_PATH"} & set(env_of(agent, FIELDS))
-    assert [p["name"] for p in agent["ports"]] == ["healthcheck"]
-    assert load_settings(PluginSettings, environ=env_of(agent, FIELDS)).http_endpoint == ""
+    settings = load_settings(PluginSettings, environ=env_of(agent, FIELDS))
+    assert (settings.http_endpoint, settings.metrics_path) == (":8081", "/metrics")
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in agent["ports"]
 
-    r = render("kubeletPlugin.metrics.enabled=true", "kubeletPlugin.metrics.port=9400")
+    r = render("kubeletPlugin.metrics.computeDomainHttpEndpoint=:9400", "kubeletPlugin.metrics.metricsPath=/m")
     agent = _agent(r)
-    env = env_of(agent, FIELDS)
-    # The kubelet expands $(POD_IP) from the env var defined before it.
-    names = [e["name"] for e in agent["env"]]
-    assert names.index("POD_IP") < names.index("HTTP_ENDPOINT")
-    assert env["HTTP_ENDPOINT"] == "$(POD_IP):9400"
-    env["HTTP_ENDPOINT"] = env["HTTP_ENDPOINT"].replace("$(POD_IP)", env["POD_IP"])
-    settings = load_settings(PluginSettings, environ=env)
-    assert (settings.http_endpoint, settings.metrics_path) == ("10.244.1.7:9400", "/metrics")
+    settings = load_settings(PluginSettings, environ=env_of(agent, FIELDS))
+    assert (settings.http_endpoint, settings.metrics_path) == (":9400", "/m")
     assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in agent["ports"]
     annotations = r.one("DaemonSet", component="kubelet-plugin")["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": "9400",
-        "prometheus.io/path": "/metrics",
-    }
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "9400", "prometheus.io/path": "/m"}
+
+    r = render("kubeletPlugin.metrics.enabled=false")
+    agent = _agent(r)
+    assert not {"HTTP_ENDPOINT", "METRICS_PATH"} & set(env_of(agent, FIELDS))
+    assert [p["name"] for p in agent["ports"]] == ["healthcheck"]
+    assert "annotations" not in r.one("DaemonSet", component="kubelet-plugin")["spec"]["template"]["metadata"]
+    assert load_settings(PluginSettings, environ=env_of(agent, FIELDS)).http_endpoint == ""
+
+
+def test_controller_metrics_switch_keeps_the_probes() -> None:
+    r = render("controller.metrics.enabled=false", "controller.metrics.httpEndpoint=:9090")
+    c = _controller(r)
+    settings = load_settings(ControllerSettings, environ=env_of(c, FIELDS))
+    assert (settings.http_endpoint, settings.metrics_path) == (":9090", "")
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert "annotations" not in r.one("Deployment", component="controller")["spec"]["template"]["metadata"]
 
 
 def test_host_managed(default: Rendered, host: Rendered) -> None:

@@ -160,15 +160,6 @@ def test_valid_combinations_render(sets: list[str]) -> None:
             "differ: set only nvidiaDriverRoot (values: nvidiaDriverRoot)",
         ),
         (
-            ["kubeletPlugin.containers.computeDomains.env[0].value=/x"],
-            "kubeletPlugin.containers.computeDomains.env[0]: every item is an EnvVar object with a name such as "
-            "{name: PROC_ROOT, value: /driver-root/proc} (values: kubeletPlugin.containers.computeDomains.env)",
-        ),
-        (
-            ["controller.containers.computeDomain.env=ADDITIONAL_NAMESPACES"],
-            "controller.containers.computeDomain.env must be a list of EnvVar objects",
-        ),
-        (
             ["controller.containers.computeDomain.env[0].name=A", "controller.containers.computeDomain.env[1].name=A"],
             "controller.containers.computeDomain.env[1]: A is listed twice; keep one entry",
         ),

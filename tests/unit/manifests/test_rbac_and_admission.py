@@ -3,14 +3,16 @@ code they stand in front of (the strict opaque-config decoder, the node agent's 
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from typing import Any
 
 import pytest
+import yaml
 
 from computedomain.api.models import ComputeDomainChannelConfig, ComputeDomainDaemonConfig
-from tests.unit.manifests.chart import HOST_MANAGED, Rendered, admission_policy, policy_variables, render
+from tests.unit.manifests.chart import HOST_MANAGED, REPO, Rendered, admission_policy, policy_variables, render
 
 Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
 
@@ -104,12 +106,26 @@ def test_namespaced_powers_stay_in_managed_namespaces(default: Rendered) -> None
 def test_lease_update_only_for_its_own_lease(default: Rendered) -> None:
     role = default.one("Role", "compute-domain-controller-leader-election")
     by_verbs = {tuple(r["verbs"]): r.get("resourceNames") for r in role["rules"]}
-    # list and watch (with a metadata.name field selector): a standby sees the release at once.
-    assert by_verbs == {("create",): None, ("get", "list", "watch", "update"): ["nvidia-compute-domain-controller"]}
+    # list and watch (with a metadata.name field selector): a standby sees the release at once. The name is
+    # the reference chart's Lease, so its controller and ours never both lead.
+    assert by_verbs == {("create",): None, ("get", "list", "watch", "update"): ["dra-driver-nvidia-gpu-controller"]}
+    role = render("controller.leaderElection.leaseName=mine").one("Role", "compute-domain-controller-leader-election")
+    assert {tuple(r["verbs"]): r.get("resourceNames") for r in role["rules"]}[("get", "list", "watch", "update")] == [
+        "mine"
+    ]
+
+
+def _hook_objects(r: Rendered, component: str) -> list[dict[str, Any]]:
+    return [
+        o
+        for o in r.objects
+        if "helm.sh/hook" in o["metadata"].get("annotations", {})
+        and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
 
 
 def test_uninstall_permissions_exist_only_during_hooks(default: Rendered) -> None:
-    hook_objects = [o for o in default.objects if "helm.sh/hook" in o["metadata"].get("annotations", {})]
+    hook_objects = _hook_objects(default, "uninstall")
     assert {o["kind"] for o in hook_objects} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job"}
     (role,) = [o for o in hook_objects if o["kind"] == "ClusterRole"]
     assert _rules(role) == _v("resource.nvidia.com", "computedomains", "list", "delete") | _v(
@@ -125,6 +141,28 @@ def test_uninstall_permissions_exist_only_during_hooks(default: Rendered) -> Non
     assert set(jobs) == {"pre-delete", "post-delete"}
     assert jobs["pre-delete"]["spec"]["template"]["spec"]["containers"][0]["command"][3] == "pre-delete"
     assert "hook" not in str(render().objects)  # without hooks, nothing of them remains
+
+
+def test_crd_hook_may_only_update_the_two_crds(default: Rendered) -> None:
+    hook_objects = _hook_objects(default, "crds")
+    assert {o["kind"] for o in hook_objects} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job"}
+    (role,) = [o for o in hook_objects if o["kind"] == "ClusterRole"]
+    (rule,) = role["rules"]
+    assert rule["verbs"] == ["get", "update"] and rule["resources"] == ["customresourcedefinitions"]
+    assert sorted(rule["resourceNames"]) == [
+        "computedomaincliques.resource.nvidia.com",
+        "computedomains.resource.nvidia.com",
+    ]
+    for o in hook_objects:
+        annotations = o["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"  # not on rollback
+        assert (int(annotations["helm.sh/hook-weight"]) < 0) == (o["kind"] != "Job")
+    (job,) = [o for o in hook_objects if o["kind"] == "Job"]
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    crds = [json.loads(arg) for arg in command[3:]]
+    on_disk = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "manifests" / "crds").glob("*.yaml"))]
+    assert crds == on_disk, "the Job applies exactly the chart's CRDs"
+    assert not _hook_objects(render("crds.upgrade=false", hooks=True), "crds")
 
 
 def test_node_agent_policy_covers_every_write_it_is_granted(default: Rendered) -> None:

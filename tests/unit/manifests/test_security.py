@@ -101,11 +101,15 @@ def test_daemon_gets_scratch_space_for_a_read_only_root() -> None:
 
 def test_node_agent_without_privileges() -> None:
     for sets, added in [((), None), (HOST_MANAGED, ["SYS_CHROOT"])]:
-        r = render("kubeletPlugin.containers.computeDomains.privileged=false", *sets)
+        r = render("kubeletPlugin.containers.computeDomains.securityContext.privileged=false", *sets)
         c = container(r.one("DaemonSet", component="kubelet-plugin"), "compute-domains")
         sc = c["securityContext"]
         assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
         assert sc["capabilities"].get("add") == added and sc["capabilities"]["drop"] == ["ALL"]
+    # Every other key of securityContext (the reference's) replaces the chart's, false included.
+    r = render("kubeletPlugin.containers.computeDomains.securityContext.readOnlyRootFilesystem=false")
+    sc = container(r.one("DaemonSet", component="kubelet-plugin"), "compute-domains")["securityContext"]
+    assert sc == {"privileged": True, "readOnlyRootFilesystem": False, "runAsUser": 0, "runAsGroup": 0}
 
 
 def test_driver_root_is_read_only_recursively(default: Rendered) -> None:

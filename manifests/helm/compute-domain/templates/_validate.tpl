@@ -20,7 +20,7 @@ and compares the text with SettingsError's.
 {{- define "cd.gateEnabled" -}}
 {{- $defaults := include "cd.gateDefaults" . | fromJson -}}
 {{- if hasKey .values.featureGates .name -}}
-{{- lower (toString (index .values.featureGates .name)) -}}
+{{- include "cd.bool" (index .values.featureGates .name) -}}
 {{- else -}}
 {{- toString (index $defaults .name) -}}
 {{- end -}}
@@ -33,9 +33,9 @@ and compares the text with SettingsError's.
 
 {{- /* Feature gates: every item Name=true|false, every name known. */ -}}
 {{- range $name, $value := $v.featureGates -}}
-{{- $text := lower (toString $value) -}}
+{{- $text := include "cd.bool" $value -}}
 {{- if not (has $text (list "true" "false")) -}}
-{{- fail (printf "FEATURE_GATES: item %s must look like Name=true or Name=false (values: featureGates.%s)" (include "cd.repr" (printf "%s=%s" $name $text)) $name) -}}
+{{- fail (printf "FEATURE_GATES: item %s must look like Name=true or Name=false (values: featureGates.%s)" (include "cd.repr" (printf "%s=%s" $name (toString $value))) $name) -}}
 {{- end -}}
 {{- if not (or (has $name $known) (has $name $foreign)) -}}
 {{- fail (printf "FEATURE_GATES: unknown gate %s; known gates: %s (values: featureGates)" (include "cd.repr" $name) (join ", " $known)) -}}
@@ -79,15 +79,23 @@ and compares the text with SettingsError's.
 {{- fail (printf "IMEX_HOST_SOCKET_PATH %s must be an absolute, normalised path without '..' (relative to the driver root), e.g. /etc/nvidia-imex/imex_ctrl.sock (values: resources.computeDomains.imex.hostSocketPath)" (include "cd.repr" $socket)) -}}
 {{- end -}}
 
-{{- $level := toString $v.logLevel -}}
+{{- $level := default "info" (toString $v.logLevel) -}}
 {{- if not (has (lower $level) (list "debug" "info" "warning" "error")) -}}
 {{- fail (printf "LOG_LEVEL %s: use debug, info, warning or error (values: logLevel)" (include "cd.repr" $level)) -}}
+{{- end -}}
+{{- with toString $v.logVerbosity -}}
+{{- if not (regexMatch "^[0-9]{1,3}$" (trim .)) -}}
+{{- fail (printf "LOG_VERBOSITY %s must be a klog verbosity, 0 to 7 (6 and up: debug) (values: logVerbosity)" (include "cd.repr" .)) -}}
+{{- end -}}
+{{- if $v.logLevel -}}
+{{- fail "logLevel and logVerbosity are both set: keep one (logVerbosity is the reference chart's klog level, 6 and up: debug) (values: logVerbosity)" -}}
+{{- end -}}
 {{- end -}}
 {{- $format := toString $v.logFormat -}}
 {{- if not (has $format (list "text" "json")) -}}
 {{- fail (printf "LOG_FORMAT %s: use text or json (values: logFormat)" (include "cd.repr" $format)) -}}
 {{- end -}}
-{{- $daemonLevel := toString (default $v.logLevel $v.controller.daemonLogLevel) -}}
+{{- $daemonLevel := default "info" (toString (default $v.logLevel $v.controller.daemonLogLevel)) -}}
 {{- if not (has (lower $daemonLevel) (list "debug" "info" "warning" "error")) -}}
 {{- fail (printf "LOG_LEVEL %s: use debug, info, warning or error (values: controller.daemonLogLevel)" (include "cd.repr" $daemonLevel)) -}}
 {{- end -}}
@@ -97,8 +105,17 @@ and compares the text with SettingsError's.
 {{- fail "MAX_NODES_PER_IMEX_DOMAIN must be at least 1 and at most 10000 (GB200/GB300 NVL72: 18) (values: maxNodesPerIMEXDomain)" -}}
 {{- end -}}
 {{- $le := $v.controller.leaderElection -}}
+{{- $seconds := dict -}}
+{{- range $key, $env := dict "leaseDuration" "LEADER_ELECTION_LEASE_DURATION" "renewDeadline" "LEADER_ELECTION_RENEW_DEADLINE" "retryPeriod" "LEADER_ELECTION_RETRY_PERIOD" -}}
+{{- $value := index $le $key -}}
+{{- $n := include "cd.seconds" $value -}}
+{{- if eq $n "" -}}
+{{- fail (printf "%s %s is not a duration; use seconds (15) or a Go duration (15s) (values: controller.leaderElection.%s)" $env (include "cd.repr" (include "cd.duration" $value)) $key) -}}
+{{- end -}}
+{{- $_ := set $seconds $key (float64 $n) -}}
+{{- end -}}
 {{- if $le.enabled -}}
-{{- $ld := float64 $le.leaseDuration -}}{{- $rd := float64 $le.renewDeadline -}}{{- $rp := float64 $le.retryPeriod -}}
+{{- $ld := $seconds.leaseDuration -}}{{- $rd := $seconds.renewDeadline -}}{{- $rp := $seconds.retryPeriod -}}
 {{- if not (and (gt $ld $rd) (gt $rd $rp) (gt $rp 0.0)) -}}
 {{- fail "LEADER_ELECTION_*: need lease duration > renew deadline > retry period > 0 (defaults 15/10/2) (values: controller.leaderElection)" -}}
 {{- end -}}
@@ -141,5 +158,65 @@ and compares the text with SettingsError's.
 {{- fail (printf "%s[%d]: %s follows the driver root the chart mounts; set nvidiaDriverRoot instead (values: %s)" $key $i $item.name $key) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{- include "cd.validateReference" . -}}
+{{- end -}}
+
+{{/*
+The reference chart's keys and shapes (docs/migrating-from-reference.md): what this chart honours is
+checked here, what it cannot honour fails with what to use instead. The default-namespace rule comes last.
+*/}}
+{{- define "cd.validateReference" -}}
+{{- $v := .Values -}}
+{{- range $i, $item := $v.imagePullSecrets -}}
+{{- if not (or (and (kindIs "string" $item) $item) (and (kindIs "map" $item) (kindIs "string" $item.name) $item.name)) -}}
+{{- fail (printf "imagePullSecrets[%d]: use {name: SECRET} (or the secret's name) (values: imagePullSecrets)" $i) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not $v.serviceAccount.create) (not $v.serviceAccount.name) -}}
+{{- fail "serviceAccount.create=false needs serviceAccount.name: the chart then uses the ServiceAccounts <name>-controller and <name>-kubeletplugin, which must exist (values: serviceAccount.name)" -}}
+{{- end -}}
+{{- if and $v.additionalNamespaces (include "cd.envValue" (dict "list" $v.controller.containers.computeDomain.env "name" "ADDITIONAL_NAMESPACES")) -}}
+{{- fail "additionalNamespaces and an ADDITIONAL_NAMESPACES entry in controller.containers.computeDomain.env are both set: keep one (values: additionalNamespaces)" -}}
+{{- end -}}
+{{- $endpoints := dict "controller.metrics.httpEndpoint" $v.controller.metrics.httpEndpoint -}}
+{{- if $v.kubeletPlugin.metrics.enabled -}}{{- $_ := set $endpoints "kubeletPlugin.metrics.computeDomainHttpEndpoint" $v.kubeletPlugin.metrics.computeDomainHttpEndpoint -}}{{- end -}}
+{{- range $key, $endpoint := $endpoints -}}
+{{- $port := include "cd.endpointPort" $endpoint -}}
+{{- if not (and (regexMatch "^(\\[[0-9a-fA-F:.]*\\]|[A-Za-z0-9._-]*):[0-9]{1,5}$" (toString $endpoint)) (le (int $port) 65535) (gt (int $port) 0)) -}}
+{{- fail (printf "HTTP_ENDPOINT %s must look like host:port, :port or [v6]:port, with a port from 1 to 65535 (values: %s)" (include "cd.repr" (toString $endpoint)) $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $health := include "cd.healthcheckPort" . -}}
+{{- if not (and (regexMatch "^-?[0-9]{1,5}$" $health) (le (int $health) 65535)) -}}
+{{- fail (printf "HEALTHCHECK_PORT %s must be a port number (0: random, negative: no health server) (values: kubeletPlugin.containers.computeDomains.healthcheckPort)" (include "cd.repr" $health)) -}}
+{{- end -}}
+{{- /* Keys of the reference chart that this chart cannot honour. */ -}}
+{{- if $v.resources.gpus.enabled -}}
+{{- fail "resources.gpus.enabled=true: this chart serves ComputeDomains (compute-domain.nvidia.com) only; keep the reference chart for GPUs (gpu.nvidia.com) with resources.computeDomains.enabled=false there, and set resources.gpus.enabled=false here (values: resources.gpus.enabled)" -}}
+{{- end -}}
+{{- with $v.resourceApiVersion -}}
+{{- if ne (toString .) "resource.k8s.io/v1" -}}
+{{- fail (printf "resourceApiVersion %s: this service needs resource.k8s.io/v1 (Kubernetes 1.34 or later); set it to resource.k8s.io/v1 or leave it empty (values: resourceApiVersion)" (include "cd.repr" (toString .))) -}}
+{{- end -}}
+{{- end -}}
+{{- with $v.controller.metrics.profilePath -}}
+{{- fail (printf "controller.metrics.profilePath %s: this service has no Go profiler; send SIGUSR2 to the controller for every task's stack in its log, and leave profilePath empty (values: controller.metrics.profilePath)" (include "cd.repr" (toString .))) -}}
+{{- end -}}
+{{- with $v.altProcDevices -}}
+{{- fail "altProcDevices: the node agent reads the driver's /proc files from PROC_ROOT; for a fake driver root set kubeletPlugin.containers.computeDomains.env [{name: PROC_ROOT, value: /driver-root/proc}] instead (values: altProcDevices)" -}}
+{{- end -}}
+{{- with $v.nvidiaCtkPath -}}
+{{- fail "nvidiaCtkPath is no longer supported (nor by the reference chart); remove it (values: nvidiaCtkPath)" -}}
+{{- end -}}
+{{- with $v.namespace -}}
+{{- fail "namespace: set the namespace with helm --namespace NAME (or namespaceOverride), not a value named namespace (values: namespace)" -}}
+{{- end -}}
+{{- if and $v.monitoring.podMonitor.enabled $v.monitoring.serviceMonitor.enabled -}}
+{{- fail "monitoring.podMonitor and monitoring.serviceMonitor are both enabled: Prometheus would scrape every pod twice; keep one (values: monitoring.serviceMonitor.enabled)" -}}
+{{- end -}}
+{{- if and (eq (include "cd.namespace" .) "default") (not $v.allowDefaultNamespace) -}}
+{{- fail "the namespace is \"default\": install into a namespace of its own (helm install --namespace NAME --create-namespace), or set allowDefaultNamespace=true (values: allowDefaultNamespace)" -}}
 {{- end -}}
 {{- end -}}
