@@ -223,4 +223,15 @@ async def test_metrics_endpoint_serves_prepare_outcomes(harness: Harness) -> Non
     ]
     assert float(ok.split()[-1]) >= 1
     assert "computedomain_plugin_prepare_seconds_bucket" in body
+    # The reference's series, under its names (plugin/metrics.py).
+    (requests,) = [
+        line
+        for line in body.splitlines()
+        if line.startswith('nvidia_dra_requests_total{driver="compute-domain.nvidia.com",operation="prepare"}')
+    ]
+    assert float(requests.split()[-1]) >= 1
+    assert (
+        f'nvidia_dra_prepared_devices{{device_type="channel",driver="compute-domain.nvidia.com",node="{node.name}"}} 1.0'
+        in body
+    )
     assert await asyncio.to_thread(get, "/healthz") == "ok\n"

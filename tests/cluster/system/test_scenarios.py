@@ -1,18 +1,23 @@
 """Scenarios on 21 simulated nodes in 2 cliques (SPEC sections 5 and 7): a domain across both cliques with
 unique, stable indices that every peer agrees on, a SIGKILLed daemon that restarts and converges, and two
-domains at once on disjoint nodes that do not interfere even when a pod IP is reused."""
+domains at once on disjoint nodes that do not interfere even when a pod IP is reused; and what operators watch:
+the chart's dashboard and alerts query only series a live scrape of the service shows."""
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
 from imex.hosts_file import SENTINEL_ADDRESS
 from tests.cluster.system.conftest import cd_ready, clique_entries, daemon_pods, eventually
 from tests.testbed.sim.cluster import SimCluster
 from tests.testbed.sim.topology import SimNode
+from tests.unit.manifests.monitoring import SYNTHESIZED, dashboard_queries, exported_series, rules, series_names
 
 pytestmark = [
     pytest.mark.cluster,
@@ -175,3 +180,58 @@ async def test_two_domains_on_disjoint_nodes_do_not_interfere_when_a_pod_ip_is_r
 
     await remove_domain(sim, "gamma")
     await remove_domain(sim, "beta")
+
+
+def _scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def _samples(text: str, name: str, **labels: str) -> list[float]:
+    return [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
+
+
+async def test_dashboard_and_alerts_query_what_the_service_exports(racks: SimCluster) -> None:
+    """The chart's dashboard and alert rules, against a live scrape of the controller and a node agent as the
+    chart runs them (metrics on by default): every series they query is one the service exports, and the
+    reference's series count what happened."""
+    sim = racks
+    nodes = sim.topology.rack(0)[4:6]
+    await run_domain(sim, "watched", nodes)
+    running = [p for p in sim.items("pods", sim.driver_ns) if p["status"].get("phase") == "Running"]
+    (controller, *_) = [
+        p for p in running if p["metadata"]["labels"].get("dra-driver-nvidia-gpu-component") == "controller"
+    ]
+    (agent,) = [
+        p
+        for p in running
+        if p["metadata"]["labels"].get("dra-driver-nvidia-gpu-component") == "kubelet-plugin"
+        and p["spec"]["nodeName"] == nodes[0].name
+    ]
+    scraped = {
+        "controller": await asyncio.to_thread(_scrape, f"{controller['status']['podIP']}:8080"),
+        "node agent": await asyncio.to_thread(_scrape, f"{agent['status']['podIP']}:8081"),
+    }
+    exported = set().union(*(exported_series(text) for text in scraped.values()))
+    queries = dashboard_queries() + [r["expr"] for r in rules()]
+    unknown = {q: sorted(series_names(q) - exported - SYNTHESIZED) for q in queries}
+    assert {q: names for q, names in unknown.items() if names} == {}
+
+    node, driver = nodes[0].name, "compute-domain.nvidia.com"
+    text = scraped["node agent"]
+    assert _samples(text, "nvidia_dra_requests_total", driver=driver, operation="prepare")[0] >= 2  # workload + daemon
+    assert _samples(text, "nvidia_dra_request_duration_seconds_count", driver=driver, operation="prepare")[0] >= 2
+    assert _samples(text, "nvidia_dra_requests_inflight", driver=driver, operation="prepare") == [0]
+    assert _samples(text, "nvidia_dra_prepared_devices", node=node, driver=driver, device_type="channel") == [1]
+    assert _samples(text, "nvidia_dra_prepared_devices", node=node, driver=driver, device_type="daemon") == [1]
+    assert _samples(text, "computedomain_plugin_registered", node=node, driver=driver) == [1]
+    text = scraped["controller"]
+    assert _samples(text, "nvidia_dra_compute_domain_info", status="Ready")[0] >= 1
+    assert _samples(text, "computedomain_compute_domain_ready", cd_namespace=sim.workload_ns, cd_name="watched") == [1]
+    assert _samples(text, "computedomain_imex_daemons", cd_name="watched", status="Ready") == [2]
+    await remove_domain(sim, "watched")
