@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -44,6 +44,8 @@ from computedomain.plugin.preparer import (
 )
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", PrepareResult, UnprepareResult)
 
 PREPARE: Final = "prepare"
 UNPREPARE: Final = "unprepare"
@@ -85,35 +87,26 @@ class Instrumented:
             INFLIGHT.labels(driver, operation)
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, PrepareResult]:
-        started = self._begin(PREPARE)
-        try:
-            results = await self.inner.prepare(claims)
-        finally:
-            self._end(PREPARE, started)
-        for result in results.values():
-            if result.error:
-                PREPARE_ERRORS.labels(self.driver, error_type(PREPARE, result.error)).inc()
-        return results
+        return await self._record(PREPARE, PREPARE_ERRORS, self.inner.prepare(claims))
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, UnprepareResult]:
-        started = self._begin(UNPREPARE)
+        return await self._record(UNPREPARE, UNPREPARE_ERRORS, self.inner.unprepare(claims))
+
+    async def _record(
+        self, operation: str, errors: Counter, call: Awaitable[Mapping[ClaimUid, R]]
+    ) -> Mapping[ClaimUid, R]:
+        INFLIGHT.labels(self.driver, operation).inc()
+        started = self._clock()
         try:
-            results = await self.inner.unprepare(claims)
+            results = await call
         finally:
-            self._end(UNPREPARE, started)
+            INFLIGHT.labels(self.driver, operation).dec()
+            REQUESTS.labels(self.driver, operation).inc()
+            REQUEST_SECONDS.labels(self.driver, operation).observe(self._clock() - started)
         for result in results.values():
             if result.error:
-                UNPREPARE_ERRORS.labels(self.driver, error_type(UNPREPARE, result.error)).inc()
+                errors.labels(self.driver, error_type(operation, result.error)).inc()
         return results
-
-    def _begin(self, operation: str) -> float:
-        INFLIGHT.labels(self.driver, operation).inc()
-        return self._clock()
-
-    def _end(self, operation: str, started: float) -> None:
-        INFLIGHT.labels(self.driver, operation).dec()
-        REQUESTS.labels(self.driver, operation).inc()
-        REQUEST_SECONDS.labels(self.driver, operation).observe(self._clock() - started)
 
 
 def device_type(device_name: str) -> str:
