@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.testbed.image import DOCKERFILE, REPO, DockerfileError, dependencies, image_name, parse_dockerfile
 from tests.testbed.oci import ImageConfig, write_archive, write_layer
@@ -30,8 +31,9 @@ def test_the_dockerfile_is_the_image_the_builder_makes() -> None:
 
 def test_the_chart_runs_the_controller_as_the_images_user() -> None:
     spec = parse_dockerfile(DOCKERFILE.read_text())
-    controller = (REPO / "manifests" / "helm" / "compute-domain" / "templates" / "controller.yaml").read_text()
-    assert f"runAsUser: {spec.uid}" in controller and f"runAsGroup: {spec.gid}" in controller
+    values = yaml.safe_load((REPO / "manifests" / "helm" / "compute-domain" / "values.yaml").read_text())
+    context = values["controller"]["podSecurityContext"]
+    assert (context["runAsUser"], context["runAsGroup"]) == (spec.uid, spec.gid)
 
 
 def test_one_list_of_dependencies() -> None:
