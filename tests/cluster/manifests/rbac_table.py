@@ -46,6 +46,7 @@ IDENTITIES = [
     ("node agent", "compute-domain-kubelet-plugin", (RELEASE,)),
     ("IMEX daemon", "compute-domain-daemon-service-account", (RELEASE, EXTRA)),
     ("uninstall hooks (exist only while `helm uninstall` runs)", "compute-domain-uninstall", (RELEASE,)),
+    ("CRD hook (exists only while `helm install` or `helm upgrade` runs)", "compute-domain-crds", (RELEASE,)),
 ]
 
 
@@ -101,7 +102,7 @@ def _can(cluster: Cluster, who: list[str], verb: str, resource: str, namespace: 
 
 
 def _hook_rbac(namespace: str) -> list[dict[str, Any]]:
-    """The uninstall hooks' ServiceAccount and permissions, as `helm uninstall` would create them."""
+    """The hooks' ServiceAccounts and permissions (uninstall and CRD upgrade), as Helm would create them."""
     objects = render(hooks=True, namespace=namespace).objects
     return [o for o in objects if "helm.sh/hook" in o["metadata"].get("annotations", {}) and o["kind"] != "Job"]
 
