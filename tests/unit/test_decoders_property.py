@@ -190,6 +190,8 @@ VALUES = (
     | DIGITS
     | st.sampled_from(["", "0", "-1", "1e400", "nan", "inf", "true", "hostManaged", "/x", "//x", ":80", "a.1"])
     | st.sampled_from(["HostManagedIMEXDaemon=true,", "IMEXDaemonsWithDNSNames=false", str(uuid.UUID(int=1))])
+    # The reference's Go forms: durations, ParseBool values, klog verbosities.
+    | st.sampled_from(["15s", "1m30s", ".5h", "500ms", "7", "IMEXDaemonsWithDNSNames=t", "ComputeDomainCliques=0"])
 )
 
 
