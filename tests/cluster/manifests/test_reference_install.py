@@ -101,7 +101,9 @@ def test_reference_values_file_installs(
     for pod in (controller, agent):
         assert pod["spec"]["imagePullSecrets"] == [{"name": "nvcr-pull"}]
     assert controller["spec"]["securityContext"]["runAsUser"] == 1000
-    assert agent["spec"]["containers"][0]["securityContext"] == {"privileged": True}
+    # The reference's {privileged: true}: the chart's privileged context (root, read-only root filesystem).
+    agent_context = agent["spec"]["containers"][0]["securityContext"]
+    assert agent_context == {"privileged": True, "readOnlyRootFilesystem": True, "runAsUser": 0, "runAsGroup": 0}
     volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in agent["spec"]["volumes"]}
     assert volumes["driver-root"] == "/run/nvidia/driver"
     ds = cluster.get("daemonset", "cd-compute-domain-kubelet-plugin", ns)

@@ -42,7 +42,7 @@ KUBECTL = REPO / ".cluster" / "bin" / "kubectl"
 RELEASE = "compute-domain"  # the chart's default names: compute-domain-controller, ...
 CHANNEL_CLASS = "compute-domain-default-channel.nvidia.com"
 DAEMON_SA = "compute-domain-daemon-service-account"
-LEASE = "nvidia-compute-domain-controller"
+LEASE = "dra-driver-nvidia-gpu-controller"  # the reference chart's Lease name, the default
 
 
 @dataclass
