@@ -93,6 +93,29 @@ def test_domain_on_both_nodes_gives_each_worker_its_nodes_channel0(
         assert [c for c in checkpoint_claims(node) if live_state(node, c)] == []
 
 
+def test_reference_names_and_the_crd_hook_on_real_kubelets(release: RealRelease) -> None:
+    """What reference users' scripts use works against real containers: `kubectl logs` by the pod label
+    dra-driver-nvidia-gpu-component and the container names, the Lease name. The controller runs as the image's
+    non-root user (a real kubelet refuses runAsNonRoot for root), and the CRD hook Job ran to completion."""
+    ns = release.driver_ns
+    for component, container in (("controller", "compute-domain"), ("kubelet-plugin", "compute-domains")):
+        selector = f"dra-driver-nvidia-gpu-component={component}"
+        logs = release.kubectl("logs", "-n", ns, "-l", selector, "-c", container, "--tail=5")
+        assert logs.strip(), f"kubectl logs -l {selector} -c {container}: nothing"
+    (controller,) = release.items("pods", ns, "dra-driver-nvidia-gpu-component=controller")
+    context = controller["spec"]["securityContext"]
+    assert context["runAsNonRoot"] is True and context["runAsUser"] == 65532, context
+    lease = release.get("lease", "dra-driver-nvidia-gpu-controller", ns)
+    assert lease is not None and lease["spec"]["holderIdentity"].startswith(controller["metadata"]["name"]), lease
+    hook_done = [
+        e
+        for e in release.items("events", ns)
+        if e["involvedObject"]["kind"] == "Job" and e["involvedObject"]["name"].endswith("-crds")
+        and e["reason"] == "Completed"
+    ]  # fmt: skip
+    assert hook_done, "no Completed event of the CRD hook Job"
+
+
 def test_allocation_mode_all_then_pod_deletion_unprepares(scenario: Scenario, real_nodes: RealNodes) -> None:
     node = real_nodes.nodes[1]
     cd = scenario.name("all")
