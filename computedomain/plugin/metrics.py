@@ -17,7 +17,7 @@ names and meaning:
 the request series exist at 0 from the start, as the reference's do. The prepared-devices and registration
 gauges are read at scrape time (`watch_node`) from the checkpoint file (lock-free: writes are atomic
 renames) and the server's last registration answer. The per-claim outcome and latency series of our own
-(`computedomain_plugin_*`) stay in `prepare`.
+(`computedomain_plugin_*`) stay in `prepare` and `budget`.
 """
 
 from __future__ import annotations

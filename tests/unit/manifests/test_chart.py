@@ -215,6 +215,7 @@ def test_node_agent_daemonset(default: Rendered) -> None:
     env = env_of(c)
     assert c["livenessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": "liveness"}
     assert c["startupProbe"]["grpc"] == {"port": HEALTH_PORT, "service": "liveness"}
+    assert c["readinessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": "readiness"}
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert host_paths == {

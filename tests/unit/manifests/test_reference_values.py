@@ -325,11 +325,12 @@ def test_health_port_follows_an_env_entry_and_can_be_off() -> None:
     r = render("kubeletPlugin.containers.computeDomains.env[0].name=HEALTHCHECK_PORT",
                "kubeletPlugin.containers.computeDomains.env[0].value=52000")  # fmt: skip
     agent = _agent(r)
-    assert agent["livenessProbe"]["grpc"]["port"] == 52000 == agent["startupProbe"]["grpc"]["port"]
+    probes = [agent[p]["grpc"]["port"] for p in ("livenessProbe", "startupProbe", "readinessProbe")]
+    assert probes == [52000] * 3
     assert load_settings(PluginSettings, environ=env_of(agent, FIELDS)).health_port == 52000
     for port in ("0", "-1"):
         agent = _agent(render(f"kubeletPlugin.containers.computeDomains.healthcheckPort={port}"))
-        assert "livenessProbe" not in agent and "startupProbe" not in agent
+        assert not {"livenessProbe", "startupProbe", "readinessProbe"} & agent.keys()
         assert [p["name"] for p in agent["ports"]] == ["metrics"]
 
 
