@@ -34,7 +34,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from computedomain.controller import guard
+from computedomain.controller import adoption, guard
 from computedomain.controller.caches import Caches
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
 from computedomain.controller.report import DomainReporter
@@ -147,9 +147,9 @@ class Controller:
         try:
             await self.caches.wait_synced()
             log.info("caches synced informers=%d", len(informers))
-            findings = guard.check(
-                self.settings.imex_mode, self.caches.cds.list(), self.caches.children(), self.caches.nodes.list()
-            )
+            cds = self.caches.cds.list()
+            children = adoption.children_of(cds, self.caches.children(), self.settings)
+            findings = guard.check(self.settings.imex_mode, cds, children, self.caches.nodes.list())
             if findings:
                 raise guard.ModeConflictError(self.settings.imex_mode, findings)
             self.ready = True

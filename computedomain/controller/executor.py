@@ -33,7 +33,7 @@ from prometheus_client import Counter
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainStatus
-from computedomain.controller import cleanup, nodes
+from computedomain.controller import adoption, cleanup, daemonset, nodes
 from computedomain.controller.caches import Caches
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, decode_child, decode_pod
 from computedomain.controller.reconcile import (
@@ -48,6 +48,7 @@ from computedomain.controller.reconcile import (
     ReleaseChild,
     RemoveFinalizer,
     Result,
+    TakeOverDaemonSet,
     UnlabelNode,
     WriteStatus,
     desired,
@@ -274,7 +275,7 @@ class Reconciler:
         else:
             log.warning("reconcile did not converge cd=%s uid=%s rounds=%d", _name(observed.cd), uid, MAX_ROUNDS)
             return RequeueAfter(1.0)
-        if observed.template_name_conflict and observed.cd.metadata.deletion_timestamp is None:
+        if observed.name_conflicts and observed.cd.metadata.deletion_timestamp is None:
             return RequeueAfter(CONFLICT_RECHECK)
         return DONE
 
@@ -314,6 +315,8 @@ class Reconciler:
             return cd.model_copy(update={"metadata": meta})
         if isinstance(action, CreateChild):
             return await self._create(cd, action, created)
+        if isinstance(action, TakeOverDaemonSet):
+            return await self._take_over(cd, action.child)
         if isinstance(action, DeleteChild):
             if action.child.kind is ChildKind.WORKLOAD_TEMPLATE:
                 self.writer.event(cd, EventType.NORMAL, "TearingDown", "deleting the domain's objects")
@@ -344,22 +347,49 @@ class Reconciler:
         except AlreadyExists:
             raw = await self.client.get(resource, action.name, namespace=action.namespace)
             existing = decode_child(raw, action.kind)
-            if existing.cd_uid != cd.uid:
-                detail = (
-                    f"ResourceClaimTemplate {action.namespace}/{action.name} already exists and does not belong "
-                    "to this ComputeDomain; delete it, or recreate the ComputeDomain with another "
-                    "spec.channel.resourceClaimTemplate.name"
-                )
-                if action.kind is not ChildKind.WORKLOAD_TEMPLATE:
-                    raise
-                log.warning("workload template name taken cd=%s uid=%s template=%s", _name(cd), cd.uid, action.name)
-                return NameTaken(detail)
-            return existing
+            why = adoption.why_foreign(cd, existing, self.settings)
+            if why is None:
+                return existing
+            detail = (
+                f"{_describe(action.kind)} {action.namespace}/{action.name} already exists and is not this "
+                f"ComputeDomain's ({why}); delete it"
+            )
+            if action.kind is ChildKind.WORKLOAD_TEMPLATE:
+                detail += ", or recreate the ComputeDomain with another spec.channel.resourceClaimTemplate.name"
+            log.warning("name taken cd=%s uid=%s object=%s why=%s", _name(cd), cd.uid, existing, why)
+            return NameTaken(detail)
         child = decode_child(raw, action.kind)
         self.caches.note_created(child)
         log.info("created cd=%s uid=%s object=%s", _name(cd), cd.uid, child)
         created.append(f"{_describe(action.kind)} {child.namespace}/{child.name}")
         return child
+
+    async def _take_over(self, cd: ComputeDomain, child: Child) -> Child | Gone:
+        """Replace the pod template of the reference's DaemonSet (read fresh; the write carries its
+        resourceVersion, so a concurrent change is a ``Conflict`` and retried)."""
+        try:
+            current = await self.client.get(DAEMONSETS, child.name, namespace=child.namespace)
+            raw = await self.client.replace(
+                DAEMONSETS, daemonset.taken_over(current, cd, self.settings), namespace=child.namespace
+            )
+        except NotFound:
+            return Gone()
+        taken = decode_child(raw, ChildKind.DAEMONSET)
+        log.info(
+            "took over the reference driver's DaemonSet cd=%s uid=%s object=%s running_daemons=%d",
+            _name(cd),
+            cd.uid,
+            taken,
+            child.content.scheduled,
+        )
+        self.writer.event(
+            cd,
+            EventType.NORMAL,
+            "TookOverDaemonSet",
+            f"DaemonSet {child.namespace}/{child.name} was made by the reference driver: its {child.content.scheduled} "
+            "running IMEX daemon(s) keep running; daemons started from now on are this service's (OnDelete updates)",
+        )
+        return taken
 
 
 def _describe(kind: ChildKind) -> str:
@@ -367,6 +397,7 @@ def _describe(kind: ChildKind) -> str:
         ChildKind.DAEMONSET: "DaemonSet",
         ChildKind.DAEMON_TEMPLATE: "daemon ResourceClaimTemplate",
         ChildKind.WORKLOAD_TEMPLATE: "ResourceClaimTemplate",
+        ChildKind.NETWORK_POLICY: "NetworkPolicy",
     }[kind]
 
 
@@ -405,7 +436,8 @@ class Sweeper:
     async def sweep(self) -> bool:
         """One pass; True when it had to talk to the apiserver."""
         caches = self.writer.caches
-        found = cleanup.candidates(caches.children(), caches.nodes.list(), caches.all_cliques(), caches.known_uids())
+        ours = [c for c in caches.children() if adoption.belongs(c, caches.settings)]
+        found = cleanup.candidates(ours, caches.nodes.list(), caches.all_cliques(), caches.known_uids())
         if not found:
             SWEEPS.labels("clean").inc()
             return False

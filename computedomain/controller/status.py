@@ -54,6 +54,7 @@ REASON_NOT_READY = "DaemonsNotReady"
 REASON_HOST_MANAGED = "HostManaged"
 REASON_CREATING = "CreatingObjects"
 REASON_TEMPLATE_CONFLICT = "TemplateNameConflict"
+REASON_NAME_CONFLICT = "NameConflict"
 REASON_WAITING_FOR_DELETION = "WaitingForDeletion"
 
 
@@ -167,8 +168,8 @@ def host_managed_verdict(template_name: str) -> Verdict:
     )
 
 
-def conflict_verdict(detail: str) -> Verdict:
-    return Verdict(ReadyStatus.NOT_READY, REASON_TEMPLATE_CONFLICT, detail)
+def conflict_verdict(detail: str, reason: str = REASON_TEMPLATE_CONFLICT) -> Verdict:
+    return Verdict(ReadyStatus.NOT_READY, reason, detail)
 
 
 def waiting_verdict(waiting: str) -> Verdict:
@@ -225,6 +226,9 @@ def status_differs(current: ComputeDomainStatus | None, desired: ComputeDomainSt
     return cur != new
 
 
+_CONFLICTS = (REASON_TEMPLATE_CONFLICT, REASON_NAME_CONFLICT)
+
+
 def transition_events(cd: ComputeDomain, desired: ComputeDomainStatus) -> list[EventSpec]:
     """Events a user should see for this change: readiness flips and newly appearing problems."""
     old = current_condition(cd)
@@ -235,8 +239,8 @@ def transition_events(cd: ComputeDomain, desired: ComputeDomainStatus) -> list[E
     if old is None or old.status is not new.status:
         if new.status is ConditionStatus.TRUE:
             events.append(EventSpec("Normal", "Ready", new.message))
-        elif old is not None or new.reason == REASON_TEMPLATE_CONFLICT:
+        elif old is not None or new.reason in _CONFLICTS:
             events.append(EventSpec("Warning", "NotReady", new.message))
-    elif new.reason != old.reason and new.reason == REASON_TEMPLATE_CONFLICT:
+    elif new.reason != old.reason and new.reason in _CONFLICTS:
         events.append(EventSpec("Warning", "NotReady", new.message))
     return events
