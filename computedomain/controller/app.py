@@ -44,6 +44,7 @@ from computedomain.kube.converge import Converger, Retries
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
+from computedomain.kube.version import UnsupportedServerError, require_supported
 from computedomain.settings import ControllerSettings, describe
 
 log = logging.getLogger("computedomain.controller")
@@ -183,9 +184,14 @@ class Controller:
         log.info("leading identity=%s mode=%s", self.identity, self.settings.imex_mode.value)
         s = self.settings
         retries = Retries.of(s)
-        writer = Writer(self.client, self.caches, self.recorder)
-        sweeper = Sweeper(writer, period=s.sweep_period, retries=retries)
         caches = self.caches
+
+        def reconcile_all() -> None:
+            for uid in caches.known_uids():
+                loop.add(uid)
+
+        writer = Writer(self.client, caches, self.recorder, on_conditions_kept=reconcile_all)
+        sweeper = Sweeper(writer, period=s.sweep_period, retries=retries)
         reconciler = Reconciler(writer, s, after_reconcile=sweeper.request)
         loop: Converger[str] = Converger(
             QUEUE_NAME, reconciler.reconcile, workers=s.workers, reporter=DomainReporter(writer), retries=retries
@@ -230,6 +236,7 @@ async def main(settings: ControllerSettings, *, cd_namespace: str | None = None)
     controller = Controller(settings, client, cd_namespace=cd_namespace)
     runner: web.AppRunner | None = None
     try:
+        await require_supported(client, "the controller")
         if settings.http_endpoint:
             runner = await start_http(
                 settings.http_endpoint,
@@ -245,6 +252,9 @@ async def main(settings: ControllerSettings, *, cd_namespace: str | None = None)
     except guard.ModeConflictError as exc:
         log.error("%s", exc)
         return EXIT_GUARD
+    except UnsupportedServerError as exc:
+        log.error("%s", exc)
+        return EXIT_FAILED
     except LeadershipLost as exc:
         log.error("leadership lost, exiting: %s", exc)
         return EXIT_FAILED

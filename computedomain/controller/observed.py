@@ -265,6 +265,8 @@ class Observed:
     pods: tuple[PodView, ...] = ()
     # Creates that failed because an object that is not the domain's child holds the name: (kind, why).
     name_conflicts: tuple[tuple[ChildKind, str], ...] = ()
+    # The apiserver drops status.conditions (an old CRD): status writes are needed only for the rest.
+    conditions_pruned: bool = False
 
     def of_kind(self, kind: ChildKind) -> tuple[Child, ...]:
         return tuple(c for c in self.children if c.kind is kind)

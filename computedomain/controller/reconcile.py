@@ -36,7 +36,13 @@ from datetime import datetime
 from typing import Any, TypeAlias
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER
-from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainNode, ComputeDomainStatus
+from computedomain.api.models import (
+    ComputeDomain,
+    ComputeDomainClique,
+    ComputeDomainNode,
+    ComputeDomainStatus,
+    ReadyStatus,
+)
 from computedomain.controller import adoption, claim_templates, daemonset, network_policy, status
 from computedomain.controller.adoption import Foreign
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, PodView
@@ -291,11 +297,25 @@ def desired_status(
 def _status_plan(
     observed: Observed, settings: ControllerSettings, now: datetime, foreign: Sequence[Foreign] = ()
 ) -> Plan:
+    cd = observed.cd
     new = desired_status(observed, settings, now, foreign)
-    if not status.status_differs(observed.cd.status, new):
+    if not status.status_differs(cd.status, new, conditions=not observed.conditions_pruned):
         return DONE
-    events = (*status.transition_events(observed.cd, new), *_foreign_events(observed.cd, new))
+    if observed.conditions_pruned:
+        # Without the stored condition there is no previous one to compare: an Event only for a flip.
+        return _batch(WriteStatus(new, _flip_events(cd, new)))
+    events = (*status.transition_events(cd, new), *_foreign_events(cd, new))
     return _batch(WriteStatus(new, events))
+
+
+def _flip_events(cd: ComputeDomain, new: ComputeDomainStatus) -> tuple[EventSpec, ...]:
+    """The readiness Events from ``status.status`` alone (its conditions are pruned)."""
+    if cd.status is not None and cd.status.status is new.status:
+        return ()
+    message = next((c.message for c in new.conditions or () if c.type == status.READY_CONDITION), "")
+    if new.status is ReadyStatus.READY:
+        return (EventSpec("Normal", "Ready", message),)
+    return (EventSpec("Warning", "NotReady", message),) if cd.status is not None else ()
 
 
 def _teardown(observed: Observed) -> Plan:

@@ -23,7 +23,8 @@ failure the controller cannot get past (``failure_verdict``) replaces it: e.g. r
 missing permission, ``InvalidSpec`` with the field.
 
 ``status_differs`` decides whether a write is needed: node lists compare as maps keyed by name, the
-condition by everything but its timestamp. ``transition_events`` says which Events a change deserves.
+condition by everything but its timestamp; conditions are left out while the apiserver prunes them (a
+ComputeDomain CRD older than this controller: ``executor.StatusSchema``). ``transition_events`` says which Events a change deserves.
 """
 
 from __future__ import annotations
@@ -212,7 +213,10 @@ def _cond_key(c: Condition | None) -> tuple[object, ...] | None:
     return (c.status, c.reason, c.message, c.observed_generation)
 
 
-def status_differs(current: ComputeDomainStatus | None, desired: ComputeDomainStatus) -> bool:
+def status_differs(
+    current: ComputeDomainStatus | None, desired: ComputeDomainStatus, *, conditions: bool = True
+) -> bool:
+    """Whether a write is needed; ``conditions`` False leaves them out (the apiserver prunes them: old CRDs)."""
     if current is None:
         return True
     if current.status is not desired.status:
@@ -221,6 +225,8 @@ def status_differs(current: ComputeDomainStatus | None, desired: ComputeDomainSt
     new_nodes = {n.name: n for n in desired.nodes or ()}
     if cur_nodes != new_nodes:
         return True
+    if not conditions:
+        return False
     cur = {c.type: _cond_key(c) for c in current.conditions or ()}
     new = {c.type: _cond_key(c) for c in desired.conditions or ()}
     return cur != new

@@ -52,6 +52,7 @@ from computedomain.kube.converge import Retries
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
 from computedomain.kube.informer import Informer
 from computedomain.kube.informer import problems as informer_problems
+from computedomain.kube.version import UnsupportedServerError, require_supported
 from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.cdi_base import base_edits, write_base_spec
@@ -320,6 +321,11 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
     client = await KubeClient.for_component(settings, field_manager=COMPONENT)
     http: web.AppRunner | None = None
     try:
+        try:
+            await require_supported(client, "the node agent")
+        except UnsupportedServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         agent = NodeAgent(settings, client, make_discovery(settings))
         try:
             await asyncio.to_thread(agent.prepare_startup)

@@ -231,3 +231,36 @@ def test_the_reference_objects_of_a_running_domain_are_adopted_and_its_daemonset
             after = fold(after, action, result)
     assert batches == [["WriteStatus"]]
     assert COMPUTE_DOMAIN_FINALIZER in after.cd.metadata.finalizers
+
+
+# --- old CRDs: the apiserver prunes status.conditions ---------------------------------------------------------
+
+
+def test_with_conditions_pruned_a_status_without_them_is_no_difference() -> None:
+    from computedomain.controller.executor import StatusSchema
+
+    observed = Observed(cd=compute_domain(), children=all_children())
+    (write,) = desired(observed, CFG, NOW).actions
+    assert isinstance(write, WriteStatus) and write.status.conditions
+    pruned = write.status.model_copy(update={"conditions": None})  # what an old CRD keeps of it
+    stored = observed.cd.model_copy(update={"status": pruned})
+    again = desired(Observed(cd=stored, children=all_children()), CFG, NOW)
+    assert again.actions, "without knowing, every reconcile writes again (and emits its Event)"
+    assert not desired(Observed(cd=stored, children=all_children(), conditions_pruned=True), CFG, NOW)
+
+    # A real change still gets written, with an Event only for a flip of status.status.
+    flipped = compute_domain(num_nodes=2, status=pruned.to_api())
+    (change,) = desired(Observed(cd=flipped, children=all_children(), conditions_pruned=True), CFG, NOW).actions
+    assert isinstance(change, WriteStatus) and change.status.status is ReadyStatus.NOT_READY
+    assert [e.reason for e in change.events] == ["NotReady"]
+
+    now = [0.0]
+    schema = StatusSchema(clock=lambda: now[0])
+    written = observed.cd.model_copy(update={"status": pruned})
+    assert schema.saw(write.status, written) == "pruned" and schema.pruned and schema.first_time()
+    assert schema.saw(write.status, written) == "" and not schema.first_time()  # said once
+    assert not schema.probe()
+    now[0] = StatusSchema.PROBE_EVERY
+    assert schema.probe() and not schema.probe()  # one probe write per period
+    kept = observed.cd.model_copy(update={"status": write.status})
+    assert schema.saw(write.status, kept) == "kept" and not schema.pruned and not schema.probe()
