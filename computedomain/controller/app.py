@@ -34,7 +34,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from computedomain.controller import guard
+from computedomain.controller import adoption, guard
 from computedomain.controller.caches import Caches
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
 from computedomain.controller.report import DomainReporter
@@ -44,6 +44,7 @@ from computedomain.kube.converge import Converger, Retries
 from computedomain.kube.events import EventRecorder
 from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
+from computedomain.kube.version import UnsupportedServerError, require_supported
 from computedomain.settings import ControllerSettings, describe
 
 log = logging.getLogger("computedomain.controller")
@@ -179,9 +180,9 @@ class Controller:
         try:
             await self.caches.wait_synced()
             log.info("caches synced informers=%d", len(informers))
-            findings = guard.check(
-                self.settings.imex_mode, self.caches.cds.list(), self.caches.children(), self.caches.nodes.list()
-            )
+            cds = self.caches.cds.list()
+            children = adoption.children_of(cds, self.caches.children(), self.settings)
+            findings = guard.check(self.settings.imex_mode, cds, children, self.caches.nodes.list())
             if findings:
                 raise guard.ModeConflictError(self.settings.imex_mode, findings)
             self.ready = True
@@ -215,9 +216,14 @@ class Controller:
         log.info("leading identity=%s mode=%s", self.identity, self.settings.imex_mode.value)
         s = self.settings
         retries = Retries.of(s)
-        writer = Writer(self.client, self.caches, self.recorder)
-        sweeper = Sweeper(writer, period=s.sweep_period, retries=retries)
         caches = self.caches
+
+        def reconcile_all() -> None:
+            for uid in caches.known_uids():
+                loop.add(uid)
+
+        writer = Writer(self.client, caches, self.recorder, on_conditions_kept=reconcile_all)
+        sweeper = Sweeper(writer, period=s.sweep_period, retries=retries)
         reconciler = Reconciler(writer, s, after_reconcile=sweeper.request)
         loop: Converger[str] = Converger(
             QUEUE_NAME, reconciler.reconcile, workers=s.workers, reporter=DomainReporter(writer), retries=retries
@@ -262,6 +268,7 @@ async def main(settings: ControllerSettings, *, cd_namespace: str | None = None)
     controller = Controller(settings, client, cd_namespace=cd_namespace)
     runner: web.AppRunner | None = None
     try:
+        await require_supported(client, "the controller")
         if settings.http_endpoint:
             runner = await start_http(
                 settings.http_endpoint,
@@ -277,6 +284,9 @@ async def main(settings: ControllerSettings, *, cd_namespace: str | None = None)
     except guard.ModeConflictError as exc:
         log.error("%s", exc)
         return EXIT_GUARD
+    except UnsupportedServerError as exc:
+        log.error("%s", exc)
+        return EXIT_FAILED
     except LeadershipLost as exc:
         log.error("leadership lost, exiting: %s", exc)
         return EXIT_FAILED

@@ -8,8 +8,10 @@
   ``ComputeDomainChannelConfig{domainID, allocationMode}``. In hostManaged mode the allocation mode is forced to
   ``Single``: every domain shares channel 0 of the host's IMEX domain.
 
-Both carry the CD label (value: CD UID), the target label and our finalizer; no owner references (the daemon
-template lives in another namespace than the CD, and lifetime is managed by finalizers and labels).
+Both carry the CD label (value: CD UID), the target label and our finalizer. The workload template, in the
+domain's own namespace, also names the domain as its controller owner (the garbage collector's backstop; no
+``blockOwnerDeletion``); the daemon template cannot (an owner reference across namespaces is invalid). Lifetime
+is managed by finalizers; what makes an object a child is ``adoption``'s rule.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def daemon_template(cd: ComputeDomain, settings: ControllerSettings) -> dict[str
 
 
 def workload_template(cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]:
-    return _template(
+    body = _template(
         name=workload_template_name(cd),
         namespace=cd.metadata.namespace,
         cd_uid=cd.uid,
@@ -104,3 +106,7 @@ def workload_template(cd: ComputeDomain, settings: ControllerSettings) -> dict[s
             "allocationMode": allocation_mode(cd, settings).value,
         },
     )
+    body["metadata"]["ownerReferences"] = [
+        {"apiVersion": cd.api_version, "kind": cd.kind, "name": cd.metadata.name, "uid": cd.uid, "controller": True}
+    ]
+    return body

@@ -8,6 +8,12 @@ is never updated after creation (as upstream): daemons of a running domain are n
 Each domain gets its own DNS hostname prefix (``IMEX_HOSTNAME_PREFIX``), so that two domains never share
 peer names even when pod IPs are reused (upstream #1447): ``imex.config.hostname_prefix``, the function the
 daemon uses when the variable is missing.
+
+A DaemonSet the reference driver made for a running domain is adopted, and ``taken_over`` is its one update:
+this pod template with the updateStrategy ``OnDelete``, so that no running daemon is restarted (their
+workloads keep their IMEX domain) and every daemon started from then on is ours. Those daemons use the
+reference's peer names (``compute-domain-daemon-NNNN``, the same for every domain), so that they and the
+reference's daemons still running resolve each slot to the same address (docs/design/0011).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN
 from computedomain.api.models import ComputeDomain
 from computedomain.controller.claim_templates import daemon_object_name
 from computedomain.settings import ControllerSettings
-from imex.config import hostname_prefix
+from imex.config import HOSTNAME_PREFIX_BASE, hostname_prefix
 
 CONTAINER_NAME = "compute-domain-daemon"
 CLAIM_NAME = "compute-domain-daemon"
@@ -42,7 +48,13 @@ def _probe(period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def daemon_env(cd: ComputeDomain, settings: ControllerSettings) -> list[dict[str, Any]]:
+# The peer-name prefix the reference driver uses for every domain.
+REFERENCE_PEER_PREFIX = HOSTNAME_PREFIX_BASE
+
+
+def daemon_env(
+    cd: ComputeDomain, settings: ControllerSettings, *, peer_prefix: str | None = None
+) -> list[dict[str, Any]]:
     return [
         _field_env("NODE_NAME", "spec.nodeName"),
         _field_env("POD_IP", "status.podIP"),
@@ -52,7 +64,7 @@ def daemon_env(cd: ComputeDomain, settings: ControllerSettings) -> list[dict[str
         {"name": "COMPUTE_DOMAIN_UUID", "value": cd.uid},
         {"name": "COMPUTE_DOMAIN_NAME", "value": cd.metadata.name},
         {"name": "COMPUTE_DOMAIN_NAMESPACE", "value": cd.metadata.namespace},
-        {"name": "IMEX_HOSTNAME_PREFIX", "value": hostname_prefix(cd.uid)},
+        {"name": "IMEX_HOSTNAME_PREFIX", "value": peer_prefix or hostname_prefix(cd.uid)},
         {"name": "FEATURE_GATES", "value": settings.feature_gates.render()},
         {"name": "LOG_LEVEL", "value": settings.daemon_log_level},
         {"name": "MAX_NODES_PER_IMEX_DOMAIN", "value": str(settings.max_nodes_per_imex_domain)},
@@ -75,7 +87,7 @@ CONTAINER_SECURITY: dict[str, Any] = {
 SCRATCH = {"tmp": "/tmp", "var-log": "/var/log"}
 
 
-def daemonset(cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]:
+def daemonset(cd: ComputeDomain, settings: ControllerSettings, *, peer_prefix: str | None = None) -> dict[str, Any]:
     name = daemon_object_name(cd.uid)
     selector = {COMPUTE_DOMAIN_LABEL: cd.uid}
     pod_spec: dict[str, Any] = {
@@ -93,7 +105,7 @@ def daemonset(cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]
                 "name": CONTAINER_NAME,
                 "image": settings.image_name,
                 "command": list(DAEMON_COMMAND),
-                "env": daemon_env(cd, settings),
+                "env": daemon_env(cd, settings, peer_prefix=peer_prefix),
                 # Tolerant startup (IMEX may wait ~20 min for peers), strict readiness.
                 "startupProbe": _probe(period=1, failures=1200),
                 "livenessProbe": _probe(period=60, failures=20),
@@ -122,3 +134,11 @@ def daemonset(cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]
             "template": {"metadata": {"labels": dict(selector)}, "spec": pod_spec},
         },
     }
+
+
+def taken_over(current: dict[str, Any], cd: ComputeDomain, settings: ControllerSettings) -> dict[str, Any]:
+    """The reference's DaemonSet ``current`` (as read, with its resourceVersion) with this project's pod
+    template, the reference's peer names and ``OnDelete`` updates: the body of its one replacing write."""
+    ours = daemonset(cd, settings, peer_prefix=REFERENCE_PEER_PREFIX)
+    spec = {**current.get("spec", {}), "template": ours["spec"]["template"], "updateStrategy": {"type": "OnDelete"}}
+    return {**current, "spec": spec}

@@ -13,6 +13,13 @@ raises. The convergence loop (``kube.converge``) decides what that means: transi
 quietly with backoff, repeated and permanent ones reach ``report.DomainReporter``, which puts them on the
 domain (condition and Event).
 
+Status writes check what the apiserver kept (``StatusSchema``): a ComputeDomain CRD older than this controller
+(the reference driver's, left on the cluster) prunes ``status.conditions``. The controller then says so once
+(a WARNING line and a Warning Event ``StatusConditionsDropped`` on the domain where it saw it), stops treating
+the missing conditions as a difference (no write, no Event per reconcile), probes again at most every
+``PROBE_EVERY`` seconds with one write, and once conditions are kept again reconciles every domain so each
+gets its condition.
+
 ``Sweeper`` removes orphans (``cleanup``): a one-key convergence loop, so requests (after every reconcile, on
 events about unknown domains) coalesce into at most one sweep per second, with one every ``period`` seconds
 and at start. A sweep does API work only when the caches show candidates, and then first confirms them with
@@ -26,6 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -33,7 +41,7 @@ from prometheus_client import Counter
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainStatus
-from computedomain.controller import cleanup, nodes
+from computedomain.controller import adoption, cleanup, daemonset, nodes
 from computedomain.controller.caches import Caches
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, decode_child, decode_pod
 from computedomain.controller.reconcile import (
@@ -48,6 +56,7 @@ from computedomain.controller.reconcile import (
     ReleaseChild,
     RemoveFinalizer,
     Result,
+    TakeOverDaemonSet,
     UnlabelNode,
     WriteStatus,
     desired,
@@ -115,13 +124,56 @@ def _finalizers_without_ours(finalizers: tuple[str, ...]) -> list[str]:
     return [f for f in finalizers if f != COMPUTE_DOMAIN_FINALIZER]
 
 
+class StatusSchema:
+    """Whether the apiserver keeps the ``status.conditions`` the controller writes (see the module)."""
+
+    PROBE_EVERY = 300.0
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pruned = False
+        self._clock = clock
+        self._probed_at = 0.0
+        self._said = False
+
+    def probe(self) -> bool:
+        """While conditions are pruned: True at most once per ``PROBE_EVERY`` (that reconcile writes them)."""
+        if not self.pruned or self._clock() - self._probed_at < self.PROBE_EVERY:
+            return False
+        self._probed_at = self._clock()
+        return True
+
+    def saw(self, sent: ComputeDomainStatus, written: ComputeDomain) -> str:
+        """Record one status write's answer: "pruned" or "kept" when that changed, else ""."""
+        if not sent.conditions:
+            return ""
+        kept = bool(written.status and written.status.conditions)
+        if kept == (not self.pruned):
+            return ""
+        self.pruned = not kept
+        self._probed_at = self._clock()
+        return "kept" if kept else "pruned"
+
+    def first_time(self) -> bool:
+        said, self._said = self._said, True
+        return not said
+
+
 class Writer:
     """The API calls behind each action; shared by the reconcile and the sweep."""
 
-    def __init__(self, client: KubeClient, caches: Caches, recorder: EventRecorder | None) -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        caches: Caches,
+        recorder: EventRecorder | None,
+        *,
+        on_conditions_kept: Callable[[], None] | None = None,
+    ) -> None:
         self.client = client
         self.caches = caches
         self.recorder = recorder
+        self.schema = StatusSchema()
+        self._on_kept = on_conditions_kept
 
     def event(self, cd: ComputeDomain, type_: str, reason: str, message: str) -> None:
         if self.recorder is not None:
@@ -174,6 +226,20 @@ class Writer:
         raw = await self.client.replace(COMPUTE_DOMAINS, body, namespace=cd.metadata.namespace, subresource="status")
         written = ComputeDomain.model_validate(raw)
         self.caches.note_written(written)
+        change = self.schema.saw(new, written)
+        if change == "pruned" and self.schema.first_time():
+            message = (
+                "the apiserver dropped status.conditions from a status write: the ComputeDomain CRD on this cluster "
+                "is older than this controller (the reference driver's CRDs are left behind by Helm). Conditions "
+                "are not written until it is updated: helm upgrade with crds.upgrade=true, or kubectl apply "
+                "--server-side -f the chart's crds/ directory. status.status and status.nodes are written as usual"
+            )
+            log.warning("%s cd=%s", message, _name(cd))
+            self.event(cd, EventType.WARNING, "StatusConditionsDropped", message)
+        elif change == "kept":
+            log.info("the apiserver keeps status.conditions again (CRD updated); writing every domain's conditions")
+            if self._on_kept is not None:
+                self._on_kept()
         return written
 
     async def prune(self, cd: ComputeDomain, action: PruneEntries) -> Pruned:
@@ -248,9 +314,15 @@ class Reconciler:
             if time.monotonic() - released[1] < RELEASED_RECHECK:
                 return RequeueAfter(RELEASED_RECHECK)
             del self._released[uid]
+        schema = self.writer.schema
+        if schema.pruned and not schema.probe():
+            observed = replace(observed, conditions_pruned=True)
         created: list[str] = []
         try:
-            return await self._converge(observed, created)
+            result = await self._converge(observed, created)
+            if schema.pruned and result is DONE:
+                return RequeueAfter(StatusSchema.PROBE_EVERY)  # so a fixed CRD is noticed without other events
+            return result
         finally:
             if created:
                 # One Event per pass, not one per object: Events are API writes too.
@@ -274,7 +346,7 @@ class Reconciler:
         else:
             log.warning("reconcile did not converge cd=%s uid=%s rounds=%d", _name(observed.cd), uid, MAX_ROUNDS)
             return RequeueAfter(1.0)
-        if observed.template_name_conflict and observed.cd.metadata.deletion_timestamp is None:
+        if observed.name_conflicts and observed.cd.metadata.deletion_timestamp is None:
             return RequeueAfter(CONFLICT_RECHECK)
         return DONE
 
@@ -314,6 +386,8 @@ class Reconciler:
             return cd.model_copy(update={"metadata": meta})
         if isinstance(action, CreateChild):
             return await self._create(cd, action, created)
+        if isinstance(action, TakeOverDaemonSet):
+            return await self._take_over(cd, action.child)
         if isinstance(action, DeleteChild):
             if action.child.kind is ChildKind.WORKLOAD_TEMPLATE:
                 self.writer.event(cd, EventType.NORMAL, "TearingDown", "deleting the domain's objects")
@@ -344,22 +418,49 @@ class Reconciler:
         except AlreadyExists:
             raw = await self.client.get(resource, action.name, namespace=action.namespace)
             existing = decode_child(raw, action.kind)
-            if existing.cd_uid != cd.uid:
-                detail = (
-                    f"ResourceClaimTemplate {action.namespace}/{action.name} already exists and does not belong "
-                    "to this ComputeDomain; delete it, or recreate the ComputeDomain with another "
-                    "spec.channel.resourceClaimTemplate.name"
-                )
-                if action.kind is not ChildKind.WORKLOAD_TEMPLATE:
-                    raise
-                log.warning("workload template name taken cd=%s uid=%s template=%s", _name(cd), cd.uid, action.name)
-                return NameTaken(detail)
-            return existing
+            why = adoption.why_foreign(cd, existing, self.settings)
+            if why is None:
+                return existing
+            detail = (
+                f"{_describe(action.kind)} {action.namespace}/{action.name} already exists and is not this "
+                f"ComputeDomain's ({why}); delete it"
+            )
+            if action.kind is ChildKind.WORKLOAD_TEMPLATE:
+                detail += ", or recreate the ComputeDomain with another spec.channel.resourceClaimTemplate.name"
+            log.warning("name taken cd=%s uid=%s object=%s why=%s", _name(cd), cd.uid, existing, why)
+            return NameTaken(detail)
         child = decode_child(raw, action.kind)
         self.caches.note_created(child)
         log.info("created cd=%s uid=%s object=%s", _name(cd), cd.uid, child)
         created.append(f"{_describe(action.kind)} {child.namespace}/{child.name}")
         return child
+
+    async def _take_over(self, cd: ComputeDomain, child: Child) -> Child | Gone:
+        """Replace the pod template of the reference's DaemonSet (read fresh; the write carries its
+        resourceVersion, so a concurrent change is a ``Conflict`` and retried)."""
+        try:
+            current = await self.client.get(DAEMONSETS, child.name, namespace=child.namespace)
+            raw = await self.client.replace(
+                DAEMONSETS, daemonset.taken_over(current, cd, self.settings), namespace=child.namespace
+            )
+        except NotFound:
+            return Gone()
+        taken = decode_child(raw, ChildKind.DAEMONSET)
+        log.info(
+            "took over the reference driver's DaemonSet cd=%s uid=%s object=%s running_daemons=%d",
+            _name(cd),
+            cd.uid,
+            taken,
+            child.content.scheduled,
+        )
+        self.writer.event(
+            cd,
+            EventType.NORMAL,
+            "TookOverDaemonSet",
+            f"DaemonSet {child.namespace}/{child.name} was made by the reference driver: its {child.content.scheduled} "
+            "running IMEX daemon(s) keep running; daemons started from now on are this service's (OnDelete updates)",
+        )
+        return taken
 
 
 def _describe(kind: ChildKind) -> str:
@@ -367,6 +468,7 @@ def _describe(kind: ChildKind) -> str:
         ChildKind.DAEMONSET: "DaemonSet",
         ChildKind.DAEMON_TEMPLATE: "daemon ResourceClaimTemplate",
         ChildKind.WORKLOAD_TEMPLATE: "ResourceClaimTemplate",
+        ChildKind.NETWORK_POLICY: "NetworkPolicy",
     }[kind]
 
 
@@ -405,7 +507,8 @@ class Sweeper:
     async def sweep(self) -> bool:
         """One pass; True when it had to talk to the apiserver."""
         caches = self.writer.caches
-        found = cleanup.candidates(caches.children(), caches.nodes.list(), caches.all_cliques(), caches.known_uids())
+        ours = [c for c in caches.children() if adoption.belongs(c, caches.settings)]
+        found = cleanup.candidates(ours, caches.nodes.list(), caches.all_cliques(), caches.known_uids())
         if not found:
             SWEEPS.labels("clean").inc()
             return False

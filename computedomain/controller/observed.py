@@ -8,7 +8,7 @@ synced caches by the executor and handed to the pure planner in ``reconcile``. N
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -45,8 +45,27 @@ def _labels(meta: Mapping[str, Any]) -> Mapping[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
+class Content:
+    """What ``adoption`` compares to decide whether a labelled object is the domain's child; a fact the
+    object does not state (or states more than once) is ""."""
+
+    target: str = ""  # templates: the target label
+    device_class: str = ""  # templates: the one request's device class
+    driver: str = ""  # templates: the one opaque config's driver
+    config_kind: str = ""  # templates: its parameters' kind
+    domain_id: str = ""  # templates: its parameters' domainID
+    controller_owner: str = ""  # the UID of a controller ownerReference
+    selector: str = ""  # DaemonSet: selector; NetworkPolicy: podSelector (the CD label's value)
+    node_selector: str = ""  # DaemonSet: the pod template's nodeSelector (the CD label's value)
+    claim_template: str = ""  # DaemonSet: the template its pods claim the daemon device from
+    command: tuple[str, ...] = ()  # DaemonSet: the first container's command
+    scheduled: int = 0  # DaemonSet: daemon pods it runs (status.currentNumberScheduled + numberMisscheduled)
+
+
+@dataclass(frozen=True, slots=True)
 class Child:
-    """A DaemonSet or ResourceClaimTemplate that carries the CD label (ours, or an older version's)."""
+    """A DaemonSet, ResourceClaimTemplate or NetworkPolicy that carries the CD label: the domain's child when
+    ``adoption`` says so, someone else's object otherwise."""
 
     kind: ChildKind
     namespace: str
@@ -56,6 +75,7 @@ class Child:
     cd_uid: str
     finalizers: tuple[str, ...] = ()
     terminating: bool = False
+    content: Content = field(default_factory=Content, compare=False)
 
     @property
     def key(self) -> tuple[ChildKind, str, str]:
@@ -95,6 +115,64 @@ def decode_child(raw: Raw, kind: ChildKind | None = None) -> Child:
         cd_uid=_labels(meta).get(COMPUTE_DOMAIN_LABEL, ""),
         finalizers=tuple(meta.get("finalizers") or ()),
         terminating=bool(meta.get("deletionTimestamp")),
+        content=_content(raw, resolved),
+    )
+
+
+def _at(value: Any, *path: str | int) -> Any:
+    """``value[path[0]][path[1]]...``, or None where the shape does not fit (foreign objects may be anything)."""
+    for key in path:
+        if isinstance(key, int):
+            if not isinstance(value, list) or len(value) != 1:  # exactly one item, or no fact
+                return None
+            value = value[0]
+        elif isinstance(value, Mapping):
+            value = value.get(key)
+        else:
+            return None
+    return value
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _content(raw: Raw, kind: ChildKind) -> Content:
+    meta = _meta(raw)
+    owners = meta.get("ownerReferences")
+    controller = (
+        next((o for o in owners if isinstance(o, Mapping) and o.get("controller")), None)
+        if isinstance(owners, list)
+        else None
+    )
+    owner = _str(controller.get("uid")) if controller else ""
+    spec = raw.get("spec")
+    if kind is ChildKind.DAEMONSET:
+        pod = _at(spec, "template", "spec")
+        command = _at(pod, "containers", 0, "command")
+        counts = [_at(raw, "status", k) for k in ("currentNumberScheduled", "numberMisscheduled")]
+        return Content(
+            controller_owner=owner,
+            selector=_str(_at(spec, "selector", "matchLabels", COMPUTE_DOMAIN_LABEL)),
+            node_selector=_str(_at(pod, "nodeSelector", COMPUTE_DOMAIN_LABEL)),
+            claim_template=_str(_at(pod, "resourceClaims", 0, "resourceClaimTemplateName")),
+            command=tuple(c for c in command if isinstance(c, str)) if isinstance(command, list) else (),
+            scheduled=sum(c for c in counts if isinstance(c, int) and not isinstance(c, bool)),
+        )
+    if kind is ChildKind.NETWORK_POLICY:
+        return Content(
+            controller_owner=owner, selector=_str(_at(spec, "podSelector", "matchLabels", COMPUTE_DOMAIN_LABEL))
+        )
+    devices = _at(spec, "spec", "devices")
+    request = _at(devices, "requests", 0)
+    params = _at(devices, "config", 0, "opaque", "parameters")
+    return Content(
+        target=_labels(meta).get(TEMPLATE_TARGET_LABEL, ""),
+        device_class=_str(_at(request, "exactly", "deviceClassName") or _at(request, "deviceClassName")),
+        driver=_str(_at(devices, "config", 0, "opaque", "driver")),
+        config_kind=_str(_at(params, "kind")),
+        domain_id=_str(_at(params, "domainID")),
+        controller_owner=owner,
     )
 
 
@@ -185,11 +263,16 @@ class Observed:
     labelled_nodes: tuple[NodeView, ...] = ()
     cliques: tuple[ComputeDomainClique, ...] = ()
     pods: tuple[PodView, ...] = ()
-    # Set when creating the workload template failed because a foreign object holds its name.
-    template_name_conflict: str = ""
+    # Creates that failed because an object that is not the domain's child holds the name: (kind, why).
+    name_conflicts: tuple[tuple[ChildKind, str], ...] = ()
+    # The apiserver drops status.conditions (an old CRD): status writes are needed only for the rest.
+    conditions_pruned: bool = False
 
     def of_kind(self, kind: ChildKind) -> tuple[Child, ...]:
         return tuple(c for c in self.children if c.kind is kind)
+
+    def conflict(self, kind: ChildKind) -> str:
+        return next((detail for k, detail in self.name_conflicts if k is kind), "")
 
     def with_child(self, child: Child) -> Observed:
         rest = tuple(c for c in self.children if c.key != child.key)

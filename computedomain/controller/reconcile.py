@@ -11,8 +11,13 @@ A spec the controller cannot act on (``spec_problem``: a workload template name 
 name) is a ``Plan`` that is ``stuck``: nothing is written (no finalizer, no children: nothing half-created)
 and the executor reports it through the convergence loop (condition and Event naming the field).
 
-driverManaged, live domain: finalizer -> daemon template -> DaemonSet (-> the daemons' NetworkPolicy, when
-enabled) -> workload template -> stale clique entries pruned -> status.
+Children are the labelled objects ``adoption`` accepts; every other labelled object is left alone and reported
+(condition ``ForeignObjects``, an Event when the set changes). A create that finds a foreign object holding the
+name stops there and says so in the Ready condition (``TemplateNameConflict``, ``NameConflict``).
+
+driverManaged, live domain: finalizer -> daemon template -> DaemonSet (a DaemonSet the reference driver made
+gets this project's pod template, with OnDelete updates: ``TakeOverDaemonSet``) (-> the daemons' NetworkPolicy,
+when enabled) -> workload template -> stale clique entries pruned -> status.
 hostManaged, live domain: finalizer -> workload template (allocationMode Single) -> status.
 While a step waits for something (a child someone deleted going away), the status says so.
 Terminating domain (either mode; a domain set up in the other mode is torn down completely too): delete the
@@ -31,8 +36,15 @@ from datetime import datetime
 from typing import Any, TypeAlias
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER
-from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainNode, ComputeDomainStatus
-from computedomain.controller import claim_templates, daemonset, network_policy, status
+from computedomain.api.models import (
+    ComputeDomain,
+    ComputeDomainClique,
+    ComputeDomainNode,
+    ComputeDomainStatus,
+    ReadyStatus,
+)
+from computedomain.controller import adoption, claim_templates, daemonset, network_policy, status
+from computedomain.controller.adoption import Foreign
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, PodView
 from computedomain.controller.status import EventSpec
 from computedomain.settings import ControllerSettings, FeatureGate
@@ -62,6 +74,13 @@ class CreateChild:
     @property
     def name(self) -> str:
         return str(self.body["metadata"]["name"])
+
+
+@dataclass(frozen=True)
+class TakeOverDaemonSet:
+    """Give a DaemonSet the reference driver made this project's pod template (``daemonset.taken_over``)."""
+
+    child: Child
 
 
 @dataclass(frozen=True)
@@ -96,7 +115,15 @@ class WriteStatus:
 
 
 Action: TypeAlias = (
-    AddFinalizer | RemoveFinalizer | CreateChild | DeleteChild | ReleaseChild | UnlabelNode | PruneEntries | WriteStatus
+    AddFinalizer
+    | RemoveFinalizer
+    | CreateChild
+    | TakeOverDaemonSet
+    | DeleteChild
+    | ReleaseChild
+    | UnlabelNode
+    | PruneEntries
+    | WriteStatus
 )
 
 
@@ -146,6 +173,8 @@ def spec_problem(cd: ComputeDomain) -> str | None:
 
 def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> Plan:
     cd = observed.cd
+    children, foreign = adoption.split(cd, observed.children, settings)
+    observed = replace(observed, children=children)
     if cd.metadata.deletion_timestamp is not None:
         return _teardown(observed)
     problem = spec_problem(cd)
@@ -158,36 +187,80 @@ def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> 
     if released:
         return _batch(*released)
     if not settings.host_managed:
-        if not _live(observed, ChildKind.DAEMON_TEMPLATE):
-            if observed.of_kind(ChildKind.DAEMON_TEMPLATE):
-                return _waiting(observed, now, "waiting for the deleted daemon ResourceClaimTemplate to go away")
-            return _batch(CreateChild(ChildKind.DAEMON_TEMPLATE, claim_templates.daemon_template(cd, settings)))
-        if not _live(observed, ChildKind.DAEMONSET):
-            if observed.of_kind(ChildKind.DAEMONSET):
-                return _waiting(observed, now, "waiting for the deleted DaemonSet to go away")
-            return _batch(CreateChild(ChildKind.DAEMONSET, daemonset.daemonset(cd, settings)))
-        if settings.daemon_network_policy and not observed.of_kind(ChildKind.NETWORK_POLICY):
+        for kind, build in (
+            (ChildKind.DAEMON_TEMPLATE, claim_templates.daemon_template),
+            (ChildKind.DAEMONSET, daemonset.daemonset),
+        ):
+            if not _live(observed, kind):
+                if observed.of_kind(kind):
+                    return _waiting(observed, now, f"waiting for the deleted {_WHAT[kind]} to go away", foreign)
+                if observed.conflict(kind):
+                    return _status_plan(observed, settings, now, foreign)
+                return _batch(CreateChild(kind, build(cd, settings)))
+        ds = _live(observed, ChildKind.DAEMONSET)[0]
+        if not adoption.is_ours(ds):
+            return _batch(TakeOverDaemonSet(ds))
+        if (
+            settings.daemon_network_policy
+            and not observed.of_kind(ChildKind.NETWORK_POLICY)
+            and not observed.conflict(ChildKind.NETWORK_POLICY)
+        ):
             return _batch(CreateChild(ChildKind.NETWORK_POLICY, network_policy.network_policy(cd, settings)))
     workload = _live(observed, ChildKind.WORKLOAD_TEMPLATE)
     if not workload:
         if observed.of_kind(ChildKind.WORKLOAD_TEMPLATE):
-            return _waiting(observed, now, "waiting for the deleted workload ResourceClaimTemplate to go away")
-        if not observed.template_name_conflict:
+            return _waiting(
+                observed, now, f"waiting for the deleted {_WHAT[ChildKind.WORKLOAD_TEMPLATE]} to go away", foreign
+            )
+        if not observed.conflict(ChildKind.WORKLOAD_TEMPLATE):
             return _batch(CreateChild(ChildKind.WORKLOAD_TEMPLATE, claim_templates.workload_template(cd, settings)))
     if not settings.host_managed and settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES):
         stale = status.stale_entries(observed.cliques, observed.pods)
         prunes = [PruneEntries(c, stale[c.metadata.name]) for c in observed.cliques if c.metadata.name in stale]
         if prunes:
             return _batch(*prunes)
-    return _status_plan(observed, settings, now, workload)
+    return _status_plan(observed, settings, now, foreign)
 
 
-def _waiting(observed: Observed, now: datetime, waiting: str) -> Plan:
+_WHAT = {
+    ChildKind.DAEMON_TEMPLATE: "daemon ResourceClaimTemplate",
+    ChildKind.DAEMONSET: "DaemonSet",
+    ChildKind.WORKLOAD_TEMPLATE: "workload ResourceClaimTemplate",
+    ChildKind.NETWORK_POLICY: "NetworkPolicy",
+}
+
+
+def _waiting(observed: Observed, now: datetime, waiting: str, foreign: Sequence[Foreign] = ()) -> Plan:
     """Nothing to write but the status, which says what the domain waits for."""
-    new = status.build_status(observed.cd, status.waiting_verdict(waiting), _current_nodes(observed.cd), now)
-    if not status.status_differs(observed.cd.status, new):
+    cd = observed.cd
+    new = _with_foreign(
+        cd, status.build_status(cd, status.waiting_verdict(waiting), _current_nodes(cd), now), foreign, now
+    )
+    if not status.status_differs(cd.status, new):
         return Plan(waiting=waiting)
-    return Plan((WriteStatus(new),), waiting=waiting)
+    return Plan((WriteStatus(new, tuple(_foreign_events(cd, new))),), waiting=waiting)
+
+
+def _with_foreign(
+    cd: ComputeDomain, new: ComputeDomainStatus, foreign: Sequence[Foreign], now: datetime
+) -> ComputeDomainStatus:
+    """``new`` with the ``ForeignObjects`` condition set while labelled objects are not adopted, else removed."""
+    condition = adoption.foreign_condition(cd, foreign, now)
+    kept = [c for c in new.conditions or () if c.type != adoption.FOREIGN_CONDITION]
+    return new.model_copy(update={"conditions": [*kept, condition] if condition else kept})
+
+
+def _foreign_events(cd: ComputeDomain, new: ComputeDomainStatus) -> list[EventSpec]:
+    """A Warning when the set of labelled objects that are not adopted changes (appears or grows)."""
+
+    def message(s: ComputeDomainStatus | None) -> str:
+        found = next((c for c in (s.conditions or ()) if c.type == adoption.FOREIGN_CONDITION), None) if s else None
+        return found.message if found else ""
+
+    now_message = message(new)
+    if now_message and now_message != message(cd.status):
+        return [EventSpec("Warning", "ForeignObject", now_message)]
+    return []
 
 
 def _current_nodes(cd: ComputeDomain) -> list[ComputeDomainNode]:
@@ -199,12 +272,15 @@ def _live(observed: Observed, kind: ChildKind) -> tuple[Child, ...]:
 
 
 def desired_status(
-    observed: Observed, settings: ControllerSettings, now: datetime, workload: Sequence[Child]
+    observed: Observed, settings: ControllerSettings, now: datetime, foreign: Sequence[Foreign] = ()
 ) -> ComputeDomainStatus:
     cd = observed.cd
     nodes = []
-    if observed.template_name_conflict and not workload:
-        verdict = status.conflict_verdict(observed.template_name_conflict)
+    blocked = next(((kind, detail) for kind, detail in observed.name_conflicts if not _live(observed, kind)), None)
+    if blocked is not None:
+        kind, detail = blocked
+        reason = status.REASON_TEMPLATE_CONFLICT if kind is ChildKind.WORKLOAD_TEMPLATE else status.REASON_NAME_CONFLICT
+        verdict = status.conflict_verdict(detail, reason)
     elif settings.host_managed:
         verdict = status.host_managed_verdict(claim_templates.workload_template_name(cd))
     else:
@@ -215,14 +291,31 @@ def desired_status(
             # The daemons own status.nodes in this mode; derive the verdict from their entries only.
             nodes = _current_nodes(cd)
         verdict = status.assess(nodes, cd.spec.num_nodes, lost)
-    return status.build_status(cd, verdict, nodes, now)
+    return _with_foreign(cd, status.build_status(cd, verdict, nodes, now), foreign, now)
 
 
-def _status_plan(observed: Observed, settings: ControllerSettings, now: datetime, workload: Sequence[Child]) -> Plan:
-    new = desired_status(observed, settings, now, workload)
-    if not status.status_differs(observed.cd.status, new):
+def _status_plan(
+    observed: Observed, settings: ControllerSettings, now: datetime, foreign: Sequence[Foreign] = ()
+) -> Plan:
+    cd = observed.cd
+    new = desired_status(observed, settings, now, foreign)
+    if not status.status_differs(cd.status, new, conditions=not observed.conditions_pruned):
         return DONE
-    return _batch(WriteStatus(new, tuple(status.transition_events(observed.cd, new))))
+    if observed.conditions_pruned:
+        # Without the stored condition there is no previous one to compare: an Event only for a flip.
+        return _batch(WriteStatus(new, _flip_events(cd, new)))
+    events = (*status.transition_events(cd, new), *_foreign_events(cd, new))
+    return _batch(WriteStatus(new, events))
+
+
+def _flip_events(cd: ComputeDomain, new: ComputeDomainStatus) -> tuple[EventSpec, ...]:
+    """The readiness Events from ``status.status`` alone (its conditions are pruned)."""
+    if cd.status is not None and cd.status.status is new.status:
+        return ()
+    message = next((c.message for c in new.conditions or () if c.type == status.READY_CONDITION), "")
+    if new.status is ReadyStatus.READY:
+        return (EventSpec("Normal", "Ready", message),)
+    return (EventSpec("Warning", "NotReady", message),) if cd.status is not None else ()
 
 
 def _teardown(observed: Observed) -> Plan:
@@ -258,7 +351,7 @@ class Gone:
 
 @dataclass(frozen=True)
 class NameTaken:
-    """Creating the workload template failed: a foreign object holds the name."""
+    """Creating a child failed: an object that is not the domain's child holds the name."""
 
     detail: str
 
@@ -280,8 +373,10 @@ def fold(observed: Observed, action: Action, result: Result) -> Observed:
         return replace(observed, cd=result) if isinstance(result, ComputeDomain) else observed
     if isinstance(action, CreateChild):
         if isinstance(result, NameTaken):
-            return replace(observed, template_name_conflict=result.detail)
+            return replace(observed, name_conflicts=(*observed.name_conflicts, (action.kind, result.detail)))
         return observed.with_child(result) if isinstance(result, Child) else observed
+    if isinstance(action, TakeOverDaemonSet):
+        return observed.with_child(result) if isinstance(result, Child) else observed.without_child(action.child.key)
     if isinstance(action, DeleteChild | ReleaseChild):
         # The executor answers Gone when the object went away (no finalizer held it).
         return observed.with_child(result) if isinstance(result, Child) else observed.without_child(action.child.key)

@@ -50,7 +50,7 @@ class DomainReporter:
             return
         nodes = list(cd.status.nodes or ()) if cd.status else []
         new = status.build_status(cd, status.failure_verdict(failure.reason, failure.message), nodes, self._now())
-        if status.status_differs(cd.status, new):
+        if status.status_differs(cd.status, new, conditions=not self.writer.schema.pruned):
             await self.writer.write_status(cd, new)
             log.info("status written cd=%s/%s reason=%s", cd.metadata.namespace, cd.metadata.name, failure.reason)
 

@@ -23,7 +23,8 @@ failure the controller cannot get past (``failure_verdict``) replaces it: e.g. r
 missing permission, ``InvalidSpec`` with the field.
 
 ``status_differs`` decides whether a write is needed: node lists compare as maps keyed by name, the
-condition by everything but its timestamp. ``transition_events`` says which Events a change deserves.
+condition by everything but its timestamp; conditions are left out while the apiserver prunes them (a
+ComputeDomain CRD older than this controller: ``executor.StatusSchema``). ``transition_events`` says which Events a change deserves.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ REASON_NOT_READY = "DaemonsNotReady"
 REASON_HOST_MANAGED = "HostManaged"
 REASON_CREATING = "CreatingObjects"
 REASON_TEMPLATE_CONFLICT = "TemplateNameConflict"
+REASON_NAME_CONFLICT = "NameConflict"
 REASON_WAITING_FOR_DELETION = "WaitingForDeletion"
 
 
@@ -167,8 +169,8 @@ def host_managed_verdict(template_name: str) -> Verdict:
     )
 
 
-def conflict_verdict(detail: str) -> Verdict:
-    return Verdict(ReadyStatus.NOT_READY, REASON_TEMPLATE_CONFLICT, detail)
+def conflict_verdict(detail: str, reason: str = REASON_TEMPLATE_CONFLICT) -> Verdict:
+    return Verdict(ReadyStatus.NOT_READY, reason, detail)
 
 
 def waiting_verdict(waiting: str) -> Verdict:
@@ -211,7 +213,10 @@ def _cond_key(c: Condition | None) -> tuple[object, ...] | None:
     return (c.status, c.reason, c.message, c.observed_generation)
 
 
-def status_differs(current: ComputeDomainStatus | None, desired: ComputeDomainStatus) -> bool:
+def status_differs(
+    current: ComputeDomainStatus | None, desired: ComputeDomainStatus, *, conditions: bool = True
+) -> bool:
+    """Whether a write is needed; ``conditions`` False leaves them out (the apiserver prunes them: old CRDs)."""
     if current is None:
         return True
     if current.status is not desired.status:
@@ -220,9 +225,14 @@ def status_differs(current: ComputeDomainStatus | None, desired: ComputeDomainSt
     new_nodes = {n.name: n for n in desired.nodes or ()}
     if cur_nodes != new_nodes:
         return True
+    if not conditions:
+        return False
     cur = {c.type: _cond_key(c) for c in current.conditions or ()}
     new = {c.type: _cond_key(c) for c in desired.conditions or ()}
     return cur != new
+
+
+_CONFLICTS = (REASON_TEMPLATE_CONFLICT, REASON_NAME_CONFLICT)
 
 
 def transition_events(cd: ComputeDomain, desired: ComputeDomainStatus) -> list[EventSpec]:
@@ -235,8 +245,8 @@ def transition_events(cd: ComputeDomain, desired: ComputeDomainStatus) -> list[E
     if old is None or old.status is not new.status:
         if new.status is ConditionStatus.TRUE:
             events.append(EventSpec("Normal", "Ready", new.message))
-        elif old is not None or new.reason == REASON_TEMPLATE_CONFLICT:
+        elif old is not None or new.reason in _CONFLICTS:
             events.append(EventSpec("Warning", "NotReady", new.message))
-    elif new.reason != old.reason and new.reason == REASON_TEMPLATE_CONFLICT:
+    elif new.reason != old.reason and new.reason in _CONFLICTS:
         events.append(EventSpec("Warning", "NotReady", new.message))
     return events

@@ -400,33 +400,46 @@ class KubeClient:
     ) -> Raw:
         """One API call with the call-level retries; the decoded JSON object. Errors carry the request."""
         path = resource.path(namespace=namespace, name=name, subresource=subresource)
+        try:
+            return await self._request(
+                method, path, verb=verb, resource=resource.plural, query=query, body=body, content_type=content_type
+            )
+        except KubeError as exc:
+            exc.for_request(verb, resource.qualified, namespace)
+            raise
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        verb: str,
+        resource: str,
+        query: Query | None = None,
+        body: Any = None,
+        content_type: str = _JSON,
+    ) -> Raw:
         retrying = AsyncRetrying(
             retry=retry_if_exception_type((Transient, TooManyRequests)),
             wait=self._backoff,
             stop=self._stop,
             sleep=self._clock.sleep,
             reraise=True,
-            before_sleep=lambda rs: self._log_retry(rs, verb=verb, resource=resource.plural, path=path),
+            before_sleep=lambda rs: self._log_retry(rs, verb=verb, resource=resource, path=path),
         )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    data = await self._attempt(
-                        method,
-                        path,
-                        verb=verb,
-                        resource=resource.plural,
-                        query=query,
-                        body=body,
-                        content_type=content_type,
-                    )
-        except KubeError as exc:
-            exc.for_request(verb, resource.qualified, namespace)
-            raise
+        async for attempt in retrying:
+            with attempt:
+                data = await self._attempt(
+                    method, path, verb=verb, resource=resource, query=query, body=body, content_type=content_type
+                )
         decoded = json.loads(data) if data else {}
         if not isinstance(decoded, dict):
             raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded).__name__}")
         return decoded
+
+    async def discover(self, path: str) -> Raw:
+        """GET a discovery document (``/version``, ``/apis/<group>``), with the same deadline and retries."""
+        return await self._request("GET", path, verb="get", resource=path.strip("/").replace("/", "_") or "root")
 
     def _log_retry(self, rs: RetryCallState, *, verb: str, resource: str, path: str) -> None:
         exc = rs.outcome.exception() if rs.outcome is not None else None

@@ -7,7 +7,8 @@ start-up, in order (each failure is one line on stderr and a non-zero exit; noth
   2. hardware: the clique ID (strict fabric mode refuses to start on an unfinished NVLink registration), the
      driver version when IMEX daemons use DNS names (driverManaged), and whether the node has IMEX at all
      (if not: run, publish no devices, say why; never crash-loop);
-  3. the checkpoint: boot-ID rule, and a corrupt file stops the agent with the fix in the message;
+  3. the checkpoint: the reference driver's file at the same path is taken over, a file that cannot be read is
+     moved aside (a Warning Event on the Node and an error line name it: never a crash loop), boot-ID rule;
   4. the Kubernetes client, the ComputeDomain (and clique) caches, the Preparer;
   5. gRPC: DRA socket first, then registration (the kubelet must never learn an endpoint that does not
      listen yet), health on TCP (the pod IP when POD_IP is set, else every address);
@@ -48,13 +49,14 @@ from computedomain.api.constants import DRIVER_NAME
 from computedomain.http import EndpointError, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.converge import Retries
-from computedomain.kube.events import EventRecorder
+from computedomain.kube.events import EventRecorder, EventType, ObjectRef
 from computedomain.kube.informer import Informer
 from computedomain.kube.informer import problems as informer_problems
+from computedomain.kube.version import UnsupportedServerError, require_supported
 from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.cdi_base import base_edits, write_base_spec
-from computedomain.plugin.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointStore
+from computedomain.plugin.checkpoint import CheckpointError, CheckpointStore, OpenReport
 from computedomain.plugin.claims import KubeClaimReader
 from computedomain.plugin.cleanup import Cleanup
 from computedomain.plugin.clique_label import CliqueLabeler, NodeHardware
@@ -105,7 +107,8 @@ class NodeAgent:
             discovery, crash_on_fabric_errors=settings.gate(FeatureGate.CRASH_ON_NVLINK_FABRIC_ERRORS)
         )
         store_kwargs: dict[str, Any] = {"boot_id_path": boot_id_path} if boot_id_path else {}
-        self.store = CheckpointStore(self.plugin_dir, **store_kwargs)
+        self.store = CheckpointStore(self.plugin_dir, cdi_root=Path(settings.cdi_root), **store_kwargs)
+        self.checkpoint_report = OpenReport()
         self.cdi = CdiSpecDir(Path(settings.cdi_root))
         self.events = EventRecorder(client, component=COMPONENT, instance=settings.pod_name or settings.node_name)
         self.domains = DomainCache(client)
@@ -216,9 +219,7 @@ class NodeAgent:
         if not settings.host_managed:
             self._write_base_spec(require_imex=bool(clique) and no_imex is None)
         try:
-            invalidated = self.store.open()
-        except CheckpointCorruptError as exc:
-            raise StartupError(str(exc)) from None
+            self.checkpoint_report = self.store.open()
         except (CheckpointError, OSError) as exc:
             raise StartupError(f"cannot open the checkpoint in {self.plugin_dir}: {exc}") from None
         devices = published_devices(host_managed=settings.host_managed, imex_supported=no_imex is None)
@@ -236,7 +237,7 @@ class NodeAgent:
             settings.imex_mode,
             clique,
             "yes" if no_imex is None else f"no ({no_imex})",
-            len(invalidated),
+            len(self.checkpoint_report.invalidated),
             self.plugin_dir,
             settings.cdi_root,
         )
@@ -260,10 +261,27 @@ class NodeAgent:
             "wrote base CDI spec path=%s mounts=%d device_nodes=%d", path, len(edits.mounts), len(edits.device_nodes)
         )
 
+    def report_checkpoint(self) -> None:
+        """Events on the Node for what start-up found in the checkpoint file (on the event loop)."""
+        report = self.checkpoint_report
+        node = ObjectRef(kind="Node", api_version="v1", name=self.settings.node_name)
+        if report.moved_aside is not None:
+            self.events.record(node, EventType.WARNING, "CheckpointUnreadable", str(report.moved_aside))
+        if report.reference_layout is not None:
+            self.events.record(
+                node,
+                EventType.NORMAL,
+                "CheckpointTakenOver",
+                f"took over {report.taken_over} claim(s) from the reference driver's checkpoint "
+                f"({report.reference_layout} layout) in {self.plugin_dir}; its Go checksums cannot be verified here, "
+                "its structure was checked",
+            )
+
     async def run(self, stop: asyncio.Event) -> None:
         if self.publisher is None:
             await asyncio.to_thread(self.prepare_startup)
         assert self.publisher is not None
+        self.report_checkpoint()
         background: list[asyncio.Task[Any]] = []
 
         def spawn(name: str, make: Callable[[], Any]) -> None:
@@ -312,6 +330,11 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
     client = await KubeClient.for_component(settings, field_manager=COMPONENT)
     http: web.AppRunner | None = None
     try:
+        try:
+            await require_supported(client, "the node agent")
+        except UnsupportedServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         agent = NodeAgent(settings, client, make_discovery(settings))
         try:
             await asyncio.to_thread(agent.prepare_startup)

@@ -15,7 +15,10 @@ named `<claim uid>-<device>` (e.g. `...-channel-0`).
 
 Building a spec is pure (`ClaimSpec` and the `*_edits` helpers); `CdiSpecDir` does the file I/O: atomic
 writes (runtimes watch these directories and must never read half a file), removal, and listing our spec
-files so that specs of claims the checkpoint does not know can be cleaned up.
+files so that specs of claims the checkpoint does not know can be cleaned up. The reference driver names the
+same spec `...-claim_<claim uid>.yaml`: such files (claims taken over from its checkpoint) are listed and
+removed like ours, never written, and one is removed before ours of the same claim is written, so that no
+device is ever defined by two files (a runtime refuses such a device).
 
 `cdiVersion` is 0.5.0, the lowest version that allows device names starting with a digit (claim UIDs may);
 nothing newer is used. The base spec (`.../device=all`, the driver's files for the IMEX daemons) is
@@ -56,8 +59,10 @@ DAEMON_DEVICE: Final = "daemon-0"
 
 _SPEC_PREFIX: Final = f"{CDI_VENDOR}-{CLAIM_CLASS}_"
 _SPEC_SUFFIX: Final = ".json"
+REFERENCE_SPEC_SUFFIX: Final = ".yaml"
 # Claim UIDs are UUIDs; anything else must not reach a file name or a CDI device name.
-_UID = re.compile(r"^[0-9a-z]([0-9a-z-]{0,61}[0-9a-z])?$")
+UID_PATTERN: Final = re.compile(r"^[0-9a-z]([0-9a-z-]{0,61}[0-9a-z])?$")
+_UID = UID_PATTERN
 # CDI device names: alphanumerics first and last, `-_.:` allowed between.
 _CDI_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
 
@@ -203,8 +208,9 @@ def qualified_id(name: str) -> str:
     return f"{CLAIM_KIND}={name}"
 
 
-def spec_file_name(claim_uid: str) -> str:
-    return f"{_SPEC_PREFIX}{_check_uid(claim_uid)}{_SPEC_SUFFIX}"
+def spec_file_name(claim_uid: str, *, reference: bool = False) -> str:
+    """Our spec file's name for the claim, or (`reference`) the name the reference driver gives it."""
+    return f"{_SPEC_PREFIX}{_check_uid(claim_uid)}{REFERENCE_SPEC_SUFFIX if reference else _SPEC_SUFFIX}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,21 +271,26 @@ class CdiSpecDir:
             self.remove(spec.claim_uid)
             return None
         self.root.mkdir(parents=True, exist_ok=True)
+        self._unlink(self.root / spec_file_name(spec.claim_uid, reference=True))
         path = self.path_for(spec.claim_uid)
         write_atomically(path, json.dumps(spec.to_cdi(), separators=(",", ":")) + "\n", mode=0o644)
         log.debug("wrote CDI spec claim=%s path=%s", spec.claim_uid, path)
         return path
 
     def remove(self, claim_uid: str) -> bool:
-        """Remove the claim's spec; True if there was one. Idempotent."""
-        path = self.path_for(claim_uid)
+        """Remove the claim's spec (ours, and the reference driver's if there is one); True if there was one.
+        Idempotent."""
+        removed = [self._unlink(self.root / spec_file_name(claim_uid, reference=r)) for r in (False, True)]
+        return any(removed)
+
+    def _unlink(self, path: Path) -> bool:
         try:
             path.unlink()
         except FileNotFoundError:
             return False
         with contextlib.suppress(OSError):
             fsync_dir(self.root)
-        log.debug("removed CDI spec claim=%s path=%s", claim_uid, path)
+        log.debug("removed CDI spec path=%s", path)
         return True
 
     def remove_recorded(self, recorded: str) -> bool:
@@ -295,13 +306,14 @@ class CdiSpecDir:
 
     @staticmethod
     def _claim_uid(name: str) -> str | None:
-        if not (name.startswith(_SPEC_PREFIX) and name.endswith(_SPEC_SUFFIX)):
+        suffix = next((s for s in (_SPEC_SUFFIX, REFERENCE_SPEC_SUFFIX) if name.endswith(s)), None)
+        if suffix is None or not name.startswith(_SPEC_PREFIX):
             return None
-        uid = name[len(_SPEC_PREFIX) : -len(_SPEC_SUFFIX)]
+        uid = name[len(_SPEC_PREFIX) : -len(suffix)]
         return uid if _UID.fullmatch(uid) else None
 
     def list_claims(self) -> dict[str, Path]:
-        """Claim UID -> spec file, for every claim spec of ours in the directory."""
+        """Claim UID -> spec file, for every claim spec of ours (or the reference driver's) in the directory."""
         if not self.root.is_dir():
             return {}
         out: dict[str, Path] = {}

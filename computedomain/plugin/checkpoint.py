@@ -11,7 +11,9 @@ Two layers:
   `finish_unprepare`, `reconcile_boot`, `expire_tombstones`, ...): no I/O, no clock, table-testable;
 - `CheckpointStore`, the thin I/O: JSON with a checksum, atomic replace (temp file, fsync, rename, fsync of
   the directory), and a node-wide `fcntl.flock` held for every read-modify-write, so several processes
-  (or a restarted agent racing its predecessor) never lose an update.
+  (or a restarted agent racing its predecessor) never lose an update. At start-up (`open`) it takes over a
+  file the reference driver left at the same path (`checkpoint_reference`) and moves aside a file it cannot
+  understand, so the agent starts either way.
 
 Concurrency model: the store's methods block (file I/O, lock waits); async callers run them through
 `asyncio.to_thread` (the `*_async` helpers do). The lock is not re-entrant; taking it twice from one
@@ -32,7 +34,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from datetime import datetime, timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -52,6 +55,11 @@ DEFAULT_BOOT_ID_PATH: Final = Path("/proc/sys/kernel/random/boot_id")
 # tombstone twice that long.
 DEFAULT_TOMBSTONE_TTL: Final = timedelta(seconds=90)
 DEFAULT_LOCK_TIMEOUT_S: Final = 10.0
+# A node holds a few claims; a file much larger than any real checkpoint is not read into memory.
+MAX_FILE_BYTES: Final = 16 * 1024 * 1024
+# Beside the file: the reference's original after a takeover, and files that could not be read.
+REFERENCE_COPY: Final = "checkpoint.json.reference"
+UNREADABLE_PREFIX: Final = "checkpoint.json.unreadable-"
 _TMP_PREFIX: Final = ".checkpoint.json.tmp-"
 
 T = TypeVar("T")
@@ -65,16 +73,13 @@ class CheckpointError(Exception):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """The file exists but cannot be trusted. Never silently replaced: that would forget what to undo."""
+    """The file exists but cannot be trusted. At start-up it is moved aside (`CheckpointStore.open`); later
+    (someone replaced it while the agent runs) every change fails with this until the agent restarts."""
 
     def __init__(self, path: Path, reason: str) -> None:
         self.path = path
         self.reason = reason
-        super().__init__(
-            f"checkpoint {path} is corrupt ({reason}); the node agent will not guess what is prepared on "
-            f"this node: inspect it, then move it aside (mv {path} {path}.corrupt) and restart the agent "
-            "so the kubelet prepares its claims again"
-        )
+        super().__init__(f"checkpoint {path} cannot be read: {reason}")
 
 
 class LockTimeoutError(CheckpointError):
@@ -385,12 +390,36 @@ def dumps(cp: Checkpoint) -> str:
 
 
 def loads(text: str, path: Path) -> Checkpoint:
+    """Our format (see `decode` for every format this agent reads)."""
+    return _ours(_parse(text, path), path)
+
+
+def decode(
+    text: str, path: Path, *, cdi_root: Path | None = None, now: datetime | None = None
+) -> tuple[Checkpoint, str | None]:
+    """The checkpoint in `text`, and the reference driver's layout when the file is the reference's (None for
+    ours). Raises `CheckpointCorruptError` naming what does not fit."""
+    raw = _parse(text, path)
+    # Imported here: the reference module builds this module's model.
+    from computedomain.plugin import checkpoint_reference
+
+    if checkpoint_reference.is_reference(raw):
+        return checkpoint_reference.convert(raw, path=path, cdi_root=cdi_root, now=now or datetime.now(UTC))
+    return _ours(raw, path), None
+
+
+def _parse(text: str, path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(text)
-    except ValueError as exc:
-        raise CheckpointCorruptError(path, f"not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(path, f"not JSON: {brief(str(exc), 200)}") from None
     if not isinstance(raw, dict):
         raise CheckpointCorruptError(path, "not a JSON object")
+    return raw
+
+
+def _ours(raw: dict[str, Any], path: Path) -> Checkpoint:
+    raw = dict(raw)
     version = raw.pop("version", None)
     if version != CHECKPOINT_VERSION:
         if isinstance(version, int) and version > CHECKPOINT_VERSION:
@@ -463,6 +492,33 @@ class FileLock:
             os.close(fd)
 
 
+@dataclass(frozen=True)
+class MovedAside:
+    """A checkpoint file `open` could not read and renamed instead of refusing to start."""
+
+    path: Path
+    to: Path
+    reason: str
+
+    def __str__(self) -> str:
+        return (
+            f"checkpoint {self.path} could not be read ({self.reason}); moved to {self.to.name} and started with an "
+            "empty one: claims prepared before are not known to this node agent (their pods keep running; the "
+            "kubelet's Unprepare of them does nothing here)"
+        )
+
+
+@dataclass(frozen=True)
+class OpenReport:
+    """What `CheckpointStore.open` found."""
+
+    invalidated: tuple[ClaimEntry, ...] = ()
+    moved_aside: MovedAside | None = None
+    # The reference driver's layout when its file was taken over, and how many claims came with it.
+    reference_layout: str | None = None
+    taken_over: int = 0
+
+
 class CheckpointStore:
     """The checkpoint file of one plugin directory. Call `open()` once at start-up."""
 
@@ -472,23 +528,40 @@ class CheckpointStore:
         *,
         boot_id_path: Path = DEFAULT_BOOT_ID_PATH,
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        cdi_root: Path | None = None,
     ) -> None:
+        """`cdi_root`: where the reference driver's claim CDI specs are, recorded for claims taken over from its
+        checkpoint so that their Unprepare removes them too."""
         self.directory = directory
         self.path = directory / CHECKPOINT_FILE
         self.lock = FileLock(directory / LOCK_FILE, timeout_s=lock_timeout_s)
         self.boot_id_path = boot_id_path
+        self.cdi_root = cdi_root
 
     # -- reads
 
-    def read(self) -> Checkpoint:
-        """The current content, without the lock. A missing file reads as an empty, unstamped checkpoint."""
+    def _text(self) -> str | None:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            with self.path.open("rb") as f:
+                data = f.read(MAX_FILE_BYTES + 1)
         except FileNotFoundError:
-            return Checkpoint()
+            return None
+        if len(data) > MAX_FILE_BYTES:
+            raise CheckpointCorruptError(self.path, f"larger than {MAX_FILE_BYTES} bytes")
+        try:
+            return data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise CheckpointCorruptError(self.path, f"not UTF-8 text: {exc.reason}") from None
-        return loads(text, self.path)
+
+    def _load(self) -> tuple[Checkpoint, str | None]:
+        text = self._text()
+        if text is None:
+            return Checkpoint(), None
+        return decode(text, self.path, cdi_root=self.cdi_root)
+
+    def read(self) -> Checkpoint:
+        """The current content, without the lock. A missing file reads as an empty, unstamped checkpoint."""
+        return self._load()[0]
 
     # -- writes (callers must hold the lock)
 
@@ -506,19 +579,28 @@ class CheckpointStore:
                 self._write(new)
             return value
 
-    def open(self) -> list[ClaimEntry]:
-        """Start-up: create the directory, remove temp files of interrupted writes, apply the boot-ID rule.
-        Returns the entries invalidated by a reboot (their side effects may need undoing). Raises
-        CheckpointCorruptError rather than replacing an unreadable file."""
+    def open(self) -> OpenReport:
+        """Start-up: create the directory, remove temp files of interrupted writes, take over the reference
+        driver's file (its original is kept as `checkpoint.json.reference`), move aside a file that cannot be
+        read (`checkpoint.json.unreadable-<time>`) and start empty, apply the boot-ID rule. Never raises for
+        the file's content; each of these is one log line, and the report says what happened."""
         self.directory.mkdir(parents=True, exist_ok=True)
         boot_id = read_boot_id(self.boot_id_path)
+        moved: MovedAside | None = None
+        layout: str | None = None
         with self.lock.held():
             for leftover in self.directory.glob(_TMP_PREFIX + "*"):
                 log.info("removing temp file of an interrupted checkpoint write path=%s", leftover)
                 with contextlib.suppress(FileNotFoundError):
                     leftover.unlink()
             existed = self.path.exists()
-            current = self.read()
+            try:
+                current, layout = self._load()
+            except CheckpointCorruptError as exc:
+                moved = self._move_aside(exc.reason)
+                current, existed = Checkpoint(), False
+            if layout is not None:
+                self._keep_reference_copy(layout, current)
             new, invalidated = reconcile_boot(current, boot_id)
             if invalidated:
                 log.warning(
@@ -530,9 +612,35 @@ class CheckpointStore:
                     boot_id,
                     ",".join(f"{e.namespace}/{e.name}:{e.uid}" for e in invalidated),
                 )
-            if new != current or not existed:
+            if new != current or not existed or layout is not None:
                 self._write(new)
-        return invalidated
+        return OpenReport(
+            invalidated=tuple(invalidated),
+            moved_aside=moved,
+            reference_layout=layout,
+            taken_over=len(current.claims) if layout is not None else 0,
+        )
+
+    def _move_aside(self, reason: str) -> MovedAside:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        to = self.directory / f"{UNREADABLE_PREFIX}{stamp}"
+        self.path.replace(to)
+        moved = MovedAside(self.path, to, reason)
+        log.error("%s", moved)
+        return moved
+
+    def _keep_reference_copy(self, layout: str, taken: Checkpoint) -> None:
+        text = self._text() or ""
+        write_atomically(self.directory / REFERENCE_COPY, text, mode=0o600, tmp_prefix=_TMP_PREFIX)
+        states = sorted({e.state.value for e in taken.claims.values()})
+        log.warning(
+            "took over the reference driver's checkpoint path=%s layout=%s claims=%d states=%s original_kept_as=%s",
+            self.path,
+            layout,
+            len(taken.claims),
+            ",".join(states) or "-",
+            REFERENCE_COPY,
+        )
 
     # -- async conveniences (the store blocks; never call it on the event loop directly)
 

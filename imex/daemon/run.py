@@ -37,6 +37,7 @@ from computedomain.atomic import write_atomically
 from computedomain.kube.client import PODS, KubeClient
 from computedomain.kube.converge import Retries
 from computedomain.kube.errors import KubeError
+from computedomain.kube.version import UnsupportedServerError, require_supported
 from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
 from imex.daemon.peers import PeerFiles, PeerSync
 from imex.daemon.process import ImexProcess
@@ -150,6 +151,11 @@ async def run_daemon(
     if client is None:
         client = await KubeClient.for_component(settings, field_manager="compute-domain-daemon")
     try:
+        try:
+            await require_supported(client, "the IMEX daemon")
+        except UnsupportedServerError as exc:
+            log.error("%s", exc)
+            return 1
         return await _run(settings, client, stop)
     finally:
         if own_client:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import string
 import tempfile
 import uuid
 from dataclasses import fields
@@ -40,6 +41,7 @@ from computedomain.plugin.checkpoint import (
     CheckpointCorruptError,
     ClaimState,
     _checksum,
+    decode,
     dumps,
     loads,
 )
@@ -72,6 +74,8 @@ from imex.procfs import (
     parse_char_devices,
     parse_params,
 )
+from tests.testbed import reference as reference_state
+from tests.testbed.reference import RefClaim
 
 MAX_MESSAGE = 1200
 
@@ -316,6 +320,57 @@ def test_checkpoint_loader(text: str) -> None:
     else:
         assert isinstance(checkpoint, Checkpoint)
         assert loads(dumps(checkpoint), PATH) == checkpoint
+
+
+NAMES = st.text(alphabet=string.ascii_lowercase + string.digits + "-.", max_size=12)
+# The reference driver's layouts, valid as tests/testbed/reference.py builds them, then one value anywhere in
+# the document replaced by arbitrary JSON (or left alone).
+REF_CLAIM = st.builds(
+    RefClaim,
+    uid=UUIDS,
+    domain=UUIDS,
+    node=NAMES.filter(bool),
+    kind=st.sampled_from(["channel", "daemon"]),
+    state=st.sampled_from(["PrepareStarted", "PrepareCompleted", "PrepareAborted", "UnprepareCompleted", ""]),
+    name=NAMES,
+    namespace=NAMES,
+    channels=st.lists(st.integers(0, 2047), min_size=1, max_size=3),
+)
+REF_DOC = st.tuples(
+    st.sampled_from([reference_state.checkpoint_v2, reference_state.checkpoint_v1, reference_state.checkpoint_25_3]),
+    st.lists(REF_CLAIM, max_size=3, unique_by=lambda c: c.uid),
+).map(lambda made: made[0](made[1]))
+
+
+def _paths(doc: Any, here: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [here]
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            out += _paths(value, (*here, key))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            out += _paths(value, (*here, i))
+    return out
+
+
+@given(REF_DOC, st.data())
+def test_reference_checkpoint_loader(doc: dict[str, Any], data: st.DataObject) -> None:
+    path = data.draw(st.sampled_from(_paths(doc)) | st.none())
+    if path:
+        target: Any = doc
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = data.draw(JSON)
+    try:
+        checkpoint, layout = decode(
+            json.dumps(doc), PATH, cdi_root=Path("/var/run/cdi"), now=datetime(2026, 1, 1, tzinfo=UTC)
+        )
+    except CheckpointCorruptError as exc:
+        one_line(exc, "checkpoint")
+    else:
+        assert layout in ("v2", "v1", "25.3") or (layout is None and path)
+        assert isinstance(checkpoint, Checkpoint)
+        assert loads(dumps(checkpoint), PATH) == checkpoint  # what it became is a valid checkpoint of ours
 
 
 @given(st.data())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,7 +12,10 @@ from computedomain.api.constants import (
     COMPUTE_DOMAIN_LABEL,
 )
 from computedomain.api.models import ComputeDomain, ComputeDomainClique
-from computedomain.controller.observed import Child, ChildKind, NodeView, PodView
+from computedomain.controller.claim_templates import daemon_template, workload_template
+from computedomain.controller.daemonset import daemonset
+from computedomain.controller.network_policy import network_policy
+from computedomain.controller.observed import Child, ChildKind, NodeView, PodView, decode_child
 from computedomain.settings import ControllerSettings, load_settings
 
 UID = "1b4e28ba-2fa1-411d-8a1f-6ec5c1f3a8e2"
@@ -73,19 +77,28 @@ def child(
     namespace: str | None = None,
     terminating: bool = False,
     finalizers: tuple[str, ...] = (COMPUTE_DOMAIN_FINALIZER,),
+    edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> Child:
-    default_name = "imex-channel-0" if kind is ChildKind.WORKLOAD_TEMPLATE else f"computedomain-daemon-{uid}"
-    default_ns = "team" if kind is ChildKind.WORKLOAD_TEMPLATE else DRIVER_NS
-    return Child(
-        kind=kind,
-        namespace=namespace or default_ns,
-        name=name or default_name,
-        uid=f"obj-{kind.value}-{name}",
-        resource_version="5",
-        cd_uid=uid,
-        finalizers=finalizers,
-        terminating=terminating,
-    )
+    """A child as the controller builds it for the domain ``uid`` (``edit`` changes the raw object first), decoded
+    as the caches decode it."""
+    cd, cfg = compute_domain(uid=uid), settings()
+    raw: dict[str, Any] = {
+        ChildKind.DAEMONSET: lambda: daemonset(cd, cfg),
+        ChildKind.DAEMON_TEMPLATE: lambda: daemon_template(cd, cfg),
+        ChildKind.WORKLOAD_TEMPLATE: lambda: workload_template(cd, cfg),
+        ChildKind.NETWORK_POLICY: lambda: network_policy(cd, cfg),
+    }[kind]()
+    meta = raw["metadata"]
+    meta.update(uid=f"obj-{kind.value}-{name}", resourceVersion="5", finalizers=list(finalizers))
+    if name is not None:
+        meta["name"] = name
+    if namespace is not None:
+        meta["namespace"] = namespace
+    if terminating:
+        meta["deletionTimestamp"] = "2026-11-29T11:00:00Z"
+    if edit is not None:
+        edit(raw)
+    return decode_child(raw, kind)
 
 
 def all_children(uid: str = UID) -> tuple[Child, ...]:

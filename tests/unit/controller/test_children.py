@@ -129,6 +129,15 @@ def test_workload_template(mode: str, host: bool, expected: str) -> None:
     assert (t["metadata"]["name"], t["metadata"]["namespace"]) == ("my-channel", "team")
     assert t["metadata"]["labels"] == {COMPUTE_DOMAIN_LABEL: UID, TEMPLATE_TARGET_LABEL: "Workload"}
     assert t["metadata"]["finalizers"] == [COMPUTE_DOMAIN_FINALIZER]
+    assert t["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "ComputeDomain",
+            "name": "cd1",
+            "uid": UID,
+            "controller": True,
+        }
+    ]
     devices = t["spec"]["spec"]["devices"]
     assert devices["requests"] == [
         {"name": "channel", "exactly": {"deviceClassName": "compute-domain-default-channel.nvidia.com"}}

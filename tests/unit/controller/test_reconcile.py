@@ -153,10 +153,11 @@ def test_terminating_domain_without_our_finalizer_is_left_alone() -> None:
         ((), "create DaemonTemplate"),
         ((child(ChildKind.DAEMON_TEMPLATE),), "create DaemonSet"),
         ((child(ChildKind.DAEMON_TEMPLATE), child(ChildKind.DAEMONSET)), "create WorkloadTemplate"),
-        # Found by label whatever the name (older versions used generateName).
+        # A label alone adopts nothing: objects under other names (the reference's generateName era, or anyone's)
+        # are not the domain's, and its own are created.
         (
             (child(ChildKind.DAEMON_TEMPLATE, name="old-abcde"), child(ChildKind.DAEMONSET, name="old-x")),
-            "create WorkloadTemplate",
+            "create DaemonTemplate",
         ),
         ((child(ChildKind.DAEMONSET, terminating=True), child(ChildKind.DAEMON_TEMPLATE)), "ReleaseChild DaemonSet"),
     ],

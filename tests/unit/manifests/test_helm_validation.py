@@ -4,10 +4,12 @@ SettingsError text must appear verbatim in helm's error."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from computedomain.settings import ControllerSettings, PluginSettings, SettingsError, load_settings
-from tests.unit.manifests.chart import render, template_error
+from tests.unit.manifests.chart import CHART, need_helm, render, template_error
 
 GATE = "featureGates.HostManagedIMEXDaemon=true"
 
@@ -178,3 +180,19 @@ def test_driver_root_and_env_values_are_checked(sets: list[str], message: str) -
 
 def test_disabled_renders_nothing_and_skips_validation() -> None:
     assert render("resources.computeDomains.enabled=false", "resources.computeDomains.imex.mode=bogus").objects == []
+
+
+def test_helm_refuses_a_cluster_older_than_1_34() -> None:
+    """Chart.yaml's kubeVersion: `helm install` on an older apiserver fails at once, naming both versions."""
+    helm = need_helm()
+
+    def template(version: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [helm, "template", "t", str(CHART), "--kube-version", version], capture_output=True, text=True
+        )
+
+    old = template("1.33.4")
+    assert old.returncode != 0
+    assert "requires kubeVersion: >=1.34.0-0 which is incompatible with Kubernetes v1.33.4" in old.stderr
+    assert template("1.34.0").returncode == 0
+    assert template("1.35.0-eks-1b0b7f6").returncode == 0

@@ -199,7 +199,7 @@ def boot_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def store(tmp_path: Path, boot_file: Path) -> CheckpointStore:
     s = CheckpointStore(tmp_path / "plugin", boot_id_path=boot_file, lock_timeout_s=2.0)
-    assert s.open() == []
+    assert s.open() == ck.OpenReport()
     return s
 
 
@@ -272,25 +272,38 @@ def test_open_removes_temp_files_of_a_crashed_writer(store: CheckpointStore) -> 
         (lambda t: t.replace('"PrepareStarted"', '"PrepareCompleted"'), "checksum mismatch"),
         (lambda t: t.replace('"version": 1', '"version": 7'), "newer than this agent"),
         (lambda t: "[]", "not a JSON object"),
+        (lambda t: "[" * 100_000, "not JSON"),
+        (lambda t: '{"v2": {"preparedClaims": {"x": 1}}}', "reference driver checkpoint: v2.preparedClaims['x']"),
     ],
 )
-def test_corruption_is_a_clear_error_and_the_file_is_kept(
-    store: CheckpointStore, mutate: ck.Callable[[str], str], reason: str
+def test_an_unreadable_file_is_moved_aside_at_start_up(
+    store: CheckpointStore, mutate: ck.Callable[[str], str], reason: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     store.update(_add(UID_A))
     damaged = mutate(store.path.read_text())
     store.path.write_text(damaged)
-    with pytest.raises(CheckpointCorruptError) as err:
-        store.open()
-    message = str(err.value)
-    assert reason in message
-    assert str(store.path) in message and "move it aside" in message
-    assert "\n" not in message
-    assert store.path.read_text() == damaged  # never silently replaced
-    with pytest.raises(CheckpointCorruptError):
+    with pytest.raises(CheckpointCorruptError) as err:  # while running: every change fails, nothing is lost
         store.update(_add(UID_B))
-    store.path.rename(store.path.with_name("checkpoint.json.corrupt"))  # what the message tells the operator
-    assert store.open() == []
+    assert reason in str(err.value) and str(store.path) in str(err.value)
+    assert store.path.read_text() == damaged
+    caplog.set_level(logging.ERROR)
+    report = store.open()  # at start-up: moved aside, started empty
+    moved = report.moved_aside
+    assert moved is not None and reason in moved.reason and moved.path == store.path
+    assert moved.to.name.startswith(ck.UNREADABLE_PREFIX) and moved.to.read_text() == damaged
+    assert store.read().claims == {} and store.read().boot_id == "boot-1"
+    line = str(moved)
+    assert "\n" not in line and str(store.path) in line and moved.to.name in line
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [line]
+    assert store.open() == ck.OpenReport()  # once
+
+
+def test_an_oversized_file_is_not_read(store: CheckpointStore) -> None:
+    with store.path.open("w") as f:
+        f.truncate(ck.MAX_FILE_BYTES + 1)
+    with pytest.raises(CheckpointCorruptError, match="larger than"):
+        store.read()
+    assert store.open().moved_aside is not None
 
 
 def test_checksum_valid_but_schema_invalid(store: CheckpointStore) -> None:
@@ -309,13 +322,13 @@ def test_reboot_invalidates_prepared_claims(
     store.update(lambda cp: (ck.complete_prepare(begin(cp), UID_A, [DEVICE], now=T0), None))
     boot_file.write_text("boot-2\n")
     caplog.set_level(logging.WARNING)
-    invalidated = store.open()
+    invalidated = store.open().invalidated
     assert [e.uid for e in invalidated] == [UID_A]
     assert invalidated[0].state is ClaimState.PREPARE_COMPLETED  # as it was before the reboot
     cp = store.read()
     assert cp.boot_id == "boot-2" and cp.claims[UID_A].state is ClaimState.PREPARE_STARTED
     assert any("rebooted" in r.getMessage() and UID_A in r.getMessage() for r in caplog.records)
-    assert store.open() == []  # only once
+    assert store.open() == ck.OpenReport()  # only once
 
 
 def test_missing_boot_id_file_is_an_error(tmp_path: Path) -> None:
