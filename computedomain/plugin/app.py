@@ -49,7 +49,7 @@ from computedomain.http import EndpointError, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.converge import Retries
 from computedomain.kube.events import EventRecorder
-from computedomain.kube.informer import Informer
+from computedomain.kube.informer import Informer, event_reporter
 from computedomain.kube.informer import problems as informer_problems
 from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CdiSpecDir
@@ -59,6 +59,7 @@ from computedomain.plugin.claims import KubeClaimReader
 from computedomain.plugin.cleanup import Cleanup
 from computedomain.plugin.clique_label import CliqueLabeler, NodeHardware
 from computedomain.plugin.collaborators import HostCheck
+from computedomain.plugin.daemon_owner import KubeDaemonPods
 from computedomain.plugin.domains import DaemonReadinessWatch, DomainCache
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.node_labels import NodeLabels
@@ -129,6 +130,7 @@ class NodeAgent:
                 plugin_dir=self.plugin_dir,
                 host_managed=settings.host_managed,
                 budget=Budget(settings.prepare_budget, settings.prepare_backoff_initial, settings.prepare_backoff_max),
+                daemon_namespaces=settings.managed_namespaces,
             ),
             store=self.store,
             cdi_dir=self.cdi,
@@ -138,6 +140,7 @@ class NodeAgent:
             readiness=self.readiness,
             hardware=self.hardware,
             host_check=host_check,
+            daemon_pods=KubeDaemonPods(client),
         )
         self.retries = Retries.of(settings)
         self.cleanup = Cleanup(
@@ -255,6 +258,9 @@ class NodeAgent:
         if self.publisher is None:
             await asyncio.to_thread(self.prepare_startup)
         assert self.publisher is not None
+        report = event_reporter(self.events)  # objects the caches skip (a hostile one costs only itself)
+        for informer in self.informers():
+            informer.add_handler(on_reject=report)
         background: list[asyncio.Task[Any]] = []
 
         def spawn(name: str, make: Callable[[], Any]) -> None:
