@@ -47,9 +47,9 @@ __all__ = [
     "too_large",
 ]
 
-#: Levels of nesting a document may have (the root object or array is level 1). pydantic-core's parser
-#: refuses deeper documents itself (a unit test pins that it accepts this many); no Kubernetes object of a
-#: schema comes near it.
+#: Levels of nesting a response may have, counted from its root (level 1; a list's items are at level 3, a
+#: watch event's object at level 2). pydantic-core's parser accepts this many and refuses documents a few
+#: levels deeper by itself (a unit test pins both); no Kubernetes object of a schema comes near it.
 MAX_DEPTH: Final = 200
 #: Bytes of one watch event line or one single-object response.
 MAX_OBJECT_BYTES: Final = 8 * 1024 * 1024
@@ -102,7 +102,7 @@ class Decoded:
     def reason(self, cut: _Cut, *, strip: int = 0) -> str:
         """One line for a cut, with the path taken from ``strip`` components in (the object's own path)."""
         where = field_path(cut.path[strip:]) or "the object"
-        return f"{where} is nested {cut.depth} levels deep; the limit is {MAX_DEPTH} levels"
+        return f"{where} is nested {cut.depth - strip} levels deep; the limit is {MAX_DEPTH} levels"
 
 
 def field_path(path: Sequence[str | int]) -> str:
