@@ -220,6 +220,12 @@ class CommonSettings:
         default=DEFAULT_HOST_SOCKET_PATH,
     )
     namespace: str = setting("NAMESPACE", "the driver namespace", default="default")
+    additional_namespaces: str = setting(
+        "ADDITIONAL_NAMESPACES",
+        "more namespaces the daemons may run in (managed by the controller; the node agent prepares daemon "
+        "claims only in these and NAMESPACE), comma separated",
+        default="",
+    )
     pod_name: str = setting(
         "POD_NAME", "this pod's name (downward API): Event source, leader identity, daemon pod", default=""
     )
@@ -289,6 +295,12 @@ class CommonSettings:
     def gate(self, gate: FeatureGate) -> bool:
         return self.feature_gates.enabled(gate)
 
+    @property
+    def managed_namespaces(self) -> tuple[str, ...]:
+        """NAMESPACE, then ADDITIONAL_NAMESPACES: where the IMEX daemons may run."""
+        extra = [ns.strip() for ns in self.additional_namespaces.split(",") if ns.strip()]
+        return tuple(dict.fromkeys([self.namespace, *extra]))
+
 
 # A Node's name: a DNS subdomain (RFC 1123). It becomes a pool name, a label value and part of object names.
 _NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", re.ASCII)
@@ -352,9 +364,6 @@ class ControllerSettings(CommonSettings):
     )
     http_endpoint: str = setting("HTTP_ENDPOINT", "host:port for /metrics, /healthz, /readyz", default="")
     metrics_path: str = setting("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
-    additional_namespaces: str = setting(
-        "ADDITIONAL_NAMESPACES", "more namespaces the daemons may run in, comma separated", default=""
-    )
     leader_election_enabled: bool = setting("LEADER_ELECTION_ENABLED", "use a Lease to elect one writer", default=False)
     daemon_network_policy: bool = setting(
         "DAEMON_NETWORK_POLICY",
@@ -408,11 +417,6 @@ class ControllerSettings(CommonSettings):
             )
         if self.leader_election_enabled and not self.pod_name:
             raise SettingsError("POD_NAME is required with LEADER_ELECTION_ENABLED=true (set it from the downward API)")
-
-    @property
-    def managed_namespaces(self) -> tuple[str, ...]:
-        extra = [ns.strip() for ns in self.additional_namespaces.split(",") if ns.strip()]
-        return tuple(dict.fromkeys([self.namespace, *extra]))
 
     @property
     def pull_secrets(self) -> tuple[str, ...]:

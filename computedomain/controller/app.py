@@ -42,6 +42,7 @@ from computedomain.http import start_http
 from computedomain.kube.client import KubeClient
 from computedomain.kube.converge import Converger, Retries
 from computedomain.kube.events import EventRecorder
+from computedomain.kube.informer import event_reporter
 from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
 from computedomain.kube.version import UnsupportedServerError, require_supported
@@ -237,6 +238,9 @@ class Controller:
                 sweeper.request()  # labelled for a domain we do not know: maybe an orphan
 
         caches.add_handlers(on_uid)  # replays every cached object: every domain gets reconciled once
+        report = event_reporter(self.recorder)  # objects the caches skip, told by the leader only
+        for informer in caches.informers():
+            informer.add_handler(on_reject=report)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(sweeper.run(), name="orphan-sweeper")

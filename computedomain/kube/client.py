@@ -32,7 +32,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
@@ -45,6 +45,16 @@ from prometheus_client import Counter, Histogram
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from computedomain.kube.clock import Clock, MonotonicClock
+from computedomain.kube.decoding import (
+    MAX_OBJECT_BYTES,
+    DecodeError,
+    Rejected,
+    decode,
+    decode_items,
+    partial,
+    rejection,
+    too_large,
+)
 from computedomain.kube.errors import (
     KubeError,
     Permanent,
@@ -189,19 +199,26 @@ RATE_LIMIT_WAIT = Histogram(
 
 @dataclass(frozen=True, slots=True)
 class ObjectList:
-    """One page (or, from ``list_all``, every page) of a list, with the list's resourceVersion."""
+    """One page (or, from ``list_all``, every page) of a list, with the list's resourceVersion.
+
+    ``rejected``: the items that broke a decoding bound (``decoding``), left out of ``items``."""
 
     items: list[Raw]
     resource_version: str
     continue_token: str | None = None
+    rejected: list[Rejected] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class WatchEvent:
-    """One watch event: ``type`` is ADDED, MODIFIED, DELETED or BOOKMARK; ``object`` is the raw object."""
+    """One watch event: ``type`` is ADDED, MODIFIED, DELETED or BOOKMARK; ``object`` is the raw object.
+
+    ``rejected`` is set when the object broke a decoding bound (``decoding``); ``object`` is then what could
+    be read of it (its metadata)."""
 
     type: str
     object: Raw
+    rejected: Rejected | None = None
 
     @property
     def resource_version(self) -> str:
@@ -245,6 +262,8 @@ class ClientConfig:
 
 
 _JSON = "application/json"
+# Bytes of an oversized watch event kept to name its object.
+_HEAD = 64 * 1024
 # Object bodies (create, replace) go out as compact JSON under the YAML media type (JSON is YAML). Why:
 # kubernetes_asyncio re-encodes anything sent as JSON with `json.dumps` defaults (", " and ": "), and the
 # apiserver stores embedded raw fields (the opaque device configs of ResourceClaimTemplates) byte for byte.
@@ -398,15 +417,33 @@ class KubeClient:
         body: Any = None,
         content_type: str = _JSON,
     ) -> Raw:
-        """One API call with the call-level retries; the decoded JSON object. Errors carry the request."""
+        """One API call with the call-level retries; the decoded JSON object. Errors carry the request. An
+        object that breaks a decoding bound is a ``Permanent`` error naming the field and the limit."""
         path = resource.path(namespace=namespace, name=name, subresource=subresource)
+        data = await self._request(
+            method,
+            path,
+            verb=verb,
+            resource=resource.plural,
+            qualified=resource.qualified,
+            namespace=namespace,
+            query=query,
+            body=body,
+            content_type=content_type,
+            max_bytes=MAX_OBJECT_BYTES,
+        )
         try:
-            return await self._request(
-                method, path, verb=verb, resource=resource.plural, query=query, body=body, content_type=content_type
-            )
-        except KubeError as exc:
-            exc.for_request(verb, resource.qualified, namespace)
-            raise
+            decoded = decode(data) if data else None
+        except DecodeError as exc:
+            raise Permanent(f"{verb} {path}: {exc}").for_request(verb, resource.qualified, namespace) from None
+        if decoded is None:
+            return {}
+        if not isinstance(decoded.value, dict):
+            raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded.value).__name__}")
+        if decoded.cuts:
+            reason = decoded.reason(decoded.cuts[0])
+            raise Permanent(f"{verb} {path}: {reason}").for_request(verb, resource.qualified, namespace)
+        return decoded.value
 
     async def _request(
         self,
@@ -415,10 +452,14 @@ class KubeClient:
         *,
         verb: str,
         resource: str,
-        query: Query | None = None,
-        body: Any = None,
-        content_type: str = _JSON,
-    ) -> Raw:
+        qualified: str,
+        namespace: str | None,
+        query: Query | None,
+        body: Any,
+        content_type: str,
+        max_bytes: int | None,
+    ) -> bytes:
+        """The response body of one API call, with the call-level retries; errors carry the request."""
         retrying = AsyncRetrying(
             retry=retry_if_exception_type((Transient, TooManyRequests)),
             wait=self._backoff,
@@ -427,19 +468,46 @@ class KubeClient:
             reraise=True,
             before_sleep=lambda rs: self._log_retry(rs, verb=verb, resource=resource, path=path),
         )
-        async for attempt in retrying:
-            with attempt:
-                data = await self._attempt(
-                    method, path, verb=verb, resource=resource, query=query, body=body, content_type=content_type
-                )
-        decoded = json.loads(data) if data else {}
-        if not isinstance(decoded, dict):
-            raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded).__name__}")
-        return decoded
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    data = await self._attempt(
+                        method,
+                        path,
+                        verb=verb,
+                        resource=resource,
+                        query=query,
+                        body=body,
+                        content_type=content_type,
+                        max_bytes=max_bytes,
+                    )
+        except KubeError as exc:
+            exc.for_request(verb, qualified, namespace)
+            raise
+        return data
 
     async def discover(self, path: str) -> Raw:
         """GET a discovery document (``/version``, ``/apis/<group>``), with the same deadline and retries."""
-        return await self._request("GET", path, verb="get", resource=path.strip("/").replace("/", "_") or "root")
+        label = path.strip("/").replace("/", "_") or "root"
+        data = await self._request(
+            "GET",
+            path,
+            verb="get",
+            resource=label,
+            qualified=label,
+            namespace=None,
+            query=None,
+            body=None,
+            content_type=_JSON,
+            max_bytes=MAX_OBJECT_BYTES,
+        )
+        try:
+            decoded = decode(data) if data else None
+        except DecodeError as exc:
+            raise Permanent(f"get {path}: {exc}") from None
+        if decoded is None or not isinstance(decoded.value, dict) or decoded.cuts:
+            raise Permanent(f"get {path}: not a bounded JSON object")
+        return decoded.value
 
     def _log_retry(self, rs: RetryCallState, *, verb: str, resource: str, path: str) -> None:
         exc = rs.outcome.exception() if rs.outcome is not None else None
@@ -495,6 +563,7 @@ class KubeClient:
         query: Query | None,
         body: Any,
         content_type: str,
+        max_bytes: int | None = None,
     ) -> bytes:
         await self._throttle()
         timeout = self.config.timeout
@@ -511,10 +580,12 @@ class KubeClient:
                     client_timeout=aiohttp.ClientTimeout(total=timeout),
                 )
                 try:
-                    data = await resp.read()
+                    data = await _read(resp, max_bytes)
                 finally:
                     resp.release()
             code = str(resp.status)
+            if data is None:
+                raise Permanent(f"{verb} {path}: the response is over {max_bytes:,} bytes, the limit of one object")
             if resp.status >= 400:
                 raise error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
             return data
@@ -551,13 +622,30 @@ class KubeClient:
             limit=limit,
             continue_token=continue_token,
         )
-        raw = await self._call("GET", resource, verb="list", namespace=namespace, query=query)
+        path = resource.path(namespace=namespace)
+        data = await self._request(
+            "GET",
+            resource,
+            path,
+            verb="list",
+            namespace=namespace,
+            query=query,
+            body=None,
+            content_type=_JSON,
+            max_bytes=None,
+        )
+        try:
+            decoded = decode(data)
+            items, rejected = decode_items(decoded, ("items",))
+        except DecodeError as exc:
+            raise Permanent(f"list {path}: {exc}").for_request("list", resource.qualified, namespace) from None
+        raw = decoded.value if isinstance(decoded.value, dict) else {}
         meta = raw.get("metadata") or {}
-        items = raw.get("items") or []
         return ObjectList(
-            items=list(items),
+            items=[item for item in items if isinstance(item, dict)],
             resource_version=str(meta.get("resourceVersion") or ""),
             continue_token=meta.get("continue") or None,
+            rejected=rejected,
         )
 
     async def list_all(
@@ -571,6 +659,7 @@ class KubeClient:
     ) -> ObjectList:
         """A consistent (quorum) list, paginated; the result carries the first page's resourceVersion."""
         items: list[Raw] = []
+        rejected: list[Rejected] = []
         token: str | None = None
         rv = ""
         while True:
@@ -583,10 +672,11 @@ class KubeClient:
                 continue_token=token,
             )
             items.extend(page.items)
+            rejected.extend(page.rejected)
             rv = rv or page.resource_version
             token = page.continue_token
             if not token:
-                return ObjectList(items=items, resource_version=rv)
+                return ObjectList(items=items, resource_version=rv, rejected=rejected)
 
     # ---- writes --------------------------------------------------------------------------------------
 
@@ -743,16 +833,11 @@ class KubeClient:
                 data = await resp.read()
                 error = error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
                 raise error.for_request("watch", resource.qualified, namespace)
-            buf = bytearray()
-            async for chunk in resp.content.iter_any():
-                buf += chunk
-                while (nl := buf.find(b"\n")) >= 0:
-                    line = bytes(buf[:nl])
-                    del buf[: nl + 1]
-                    if line.strip():
-                        yield _watch_event(line)
-            if buf.strip():
-                yield _watch_event(bytes(buf))
+            async for line, size in _lines(resp.content.iter_any(), MAX_OBJECT_BYTES):
+                if size > MAX_OBJECT_BYTES:
+                    yield _oversized_event(line, size)
+                elif line.strip():
+                    yield _watch_event(line)
         except TimeoutError as exc:
             raise Transient(f"watch {path}: silent for {idle:g}s", reason="Timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -761,16 +846,73 @@ class KubeClient:
             resp.close()
 
 
+async def _read(resp: aiohttp.ClientResponse, max_bytes: int | None) -> bytes | None:
+    """The whole body, or None once it passes ``max_bytes`` (the rest is not read)."""
+    if max_bytes is None:
+        return await resp.read()
+    if (resp.content_length or 0) > max_bytes:
+        return None
+    data = bytearray()
+    async for chunk in resp.content.iter_any():
+        data += chunk
+        if len(data) > max_bytes:
+            return None
+    return bytes(data)
+
+
+async def _lines(chunks: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[tuple[bytes, int]]:
+    """The newline-separated lines of a stream, each with its size. A line over ``max_bytes`` is not
+    buffered: only its first ``_HEAD`` bytes come back (to name its object), with its full size."""
+    buf = bytearray()
+    over = 0  # > 0: the current line passed max_bytes; buf keeps its head and this counts all its bytes
+    async for chunk in chunks:
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            piece = chunk[start:] if nl < 0 else chunk[start:nl]
+            if over:
+                over += len(piece)
+            else:
+                buf += piece
+                if len(buf) > max_bytes:
+                    over = len(buf)
+                    del buf[_HEAD:]
+            if nl < 0:
+                break
+            yield bytes(buf), over or len(buf)
+            buf.clear()
+            over = 0
+            start = nl + 1
+    if buf.strip() or over:
+        yield bytes(buf), over or len(buf)
+
+
 def _watch_event(line: bytes) -> WatchEvent:
     try:
-        decoded = json.loads(line)
-    except ValueError as exc:
+        decoded = decode(line)
+    except DecodeError as exc:
         raise Transient(f"watch: undecodable event {line[:200]!r}") from exc
-    etype = str(decoded.get("type") or "")
-    obj = decoded.get("object")
+    event = decoded.value if isinstance(decoded.value, dict) else {}
+    etype = str(event.get("type") or "")
+    obj = event.get("object")
     if not isinstance(obj, dict):
         raise Transient(f"watch: event without object {line[:200]!r}")
     if etype == "ERROR":
         # A Status in-band: 410 Expired is the classic (resourceVersion compacted away).
         raise error_from_status(obj)
-    return WatchEvent(type=etype, object=obj)
+    try:
+        reason = rejection(decoded, ("object",))
+    except DecodeError as exc:
+        raise Transient(f"watch: {exc} in event {line[:200]!r}") from None
+    return WatchEvent(type=etype, object=obj, rejected=Rejected(obj, reason) if reason else None)
+
+
+def _oversized_event(head: bytes, size: int) -> WatchEvent:
+    """An event over the size limit, named from its first bytes; unnamed, it cannot be skipped alone."""
+    event = partial(head)
+    obj = event.get("object")
+    obj = obj if isinstance(obj, dict) else {}
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict) or not meta.get("name"):
+        raise Transient(f"watch: an event of {size:,} bytes that names no object ({too_large(size)})")
+    return WatchEvent(type=str(event.get("type") or ""), object=obj, rejected=Rejected(obj, too_large(size)))

@@ -32,10 +32,11 @@ This module is pure (no I/O, no globals) and safe to use from any task.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from computedomain.kube.decoding import decode
 
 __all__ = [
     "AlreadyExists",
@@ -178,8 +179,8 @@ def _decode_status(body: bytes | str | Mapping[str, Any] | None) -> Mapping[str,
     if isinstance(body, Mapping):
         return body
     try:
-        decoded = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        decoded = decode(body.encode() if isinstance(body, str) else body).value
+    except ValueError:
         return {}
     return decoded if isinstance(decoded, dict) else {}
 

@@ -19,6 +19,12 @@ Rules that make the cache trustworthy:
   keeps failing. Watches also end by themselves after a random 5-10 minutes, as client-go's do.
 * Objects are decoded from raw JSON by the caller's ``decode`` after ``metadata.managedFields`` is dropped;
   the raw dict is not kept.
+* A bad object costs only itself. One that breaks a bound of the client's decoder (``decoding``: nested too
+  deep, too large) or that ``decode`` refuses is left out of the store (as if deleted, when an earlier
+  version was stored), logged once per version (WARNING, at most ``REJECT_LOG_BURST`` lines and then one
+  per ``REJECT_LOG_PERIOD`` seconds per process, DEBUG beyond), counted, and handed to the ``on_reject``
+  handlers (``event_reporter``: a Warning Event on the object that names the field and the limit). The
+  list or watch goes on with the next object.
 * A list or watch the apiserver refuses for good (403 Forbidden: an RBAC rule is missing; 401) sets
   ``failure`` to one line naming the verb and resource and the fix, logged once as a WARNING; components
   report it as unready (``problems``). It clears at the next list or watch that works, so fixing the
@@ -38,15 +44,20 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import Counter, Gauge
 
+from computedomain.api.limits import shown
 from computedomain.kube.client import KubeClient, Raw, Resource
 from computedomain.kube.clock import Clock, MonotonicClock
+from computedomain.kube.decoding import Rejected
 from computedomain.kube.errors import Gone, KubeError, explain
+from computedomain.kube.events import EventRecorder, EventType, ObjectRef
+from computedomain.kube.ratelimit import TokenBucket
 
-__all__ = ["Informer", "object_key", "problems", "wait_for_sync"]
+__all__ = ["Informer", "Rejection", "event_reporter", "object_key", "problems", "wait_for_sync"]
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +74,32 @@ INFORMER_WATCH_RESTARTS = Counter(
     ["informer", "reason"],
 )
 
+INFORMER_REJECTED = Counter(
+    "computedomain_informer_rejected_objects_total",
+    "Object versions an informer skipped because they broke a decoding bound or could not be decoded.",
+    ["informer"],
+)
+
+REJECT_LOG_BURST = 10
+REJECT_LOG_PERIOD = 10.0
+# One budget for the WARNING lines of every informer of the process: many hostile objects cost a few lines.
+_REJECT_LOG = TokenBucket(1.0 / REJECT_LOG_PERIOD, REJECT_LOG_BURST)
+REASON_OBJECT_SKIPPED = "ObjectSkipped"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """An object version an informer skipped, and why (one line naming the field and the limit)."""
+
+    ref: ObjectRef
+    reason: str
+
+
 AddHandler = Callable[[T], None]
 UpdateHandler = Callable[[T, T], None]
 DeleteHandler = Callable[[T], None]
 IndexFunc = Callable[[T], Iterable[str]]
+RejectHandler = Callable[[Rejection], None]
 
 
 def object_key(namespace: str | None, name: str) -> str:
@@ -123,6 +156,9 @@ class Informer(Generic[T]):
         self._on_add: list[AddHandler[T]] = []
         self._on_update: list[UpdateHandler[T]] = []
         self._on_delete: list[DeleteHandler[T]] = []
+        self._on_reject: list[RejectHandler] = []
+        # Skipped objects by key: the version skipped and why (each version is told once).
+        self._rejected: dict[str, Rejection] = {}
         self._resource_version: str | None = None
         self._synced = asyncio.Event()
         self._objects = INFORMER_OBJECTS.labels(self.name)
@@ -137,8 +173,10 @@ class Informer(Generic[T]):
         on_add: AddHandler[T] | None = None,
         on_update: UpdateHandler[T] | None = None,
         on_delete: DeleteHandler[T] | None = None,
+        on_reject: RejectHandler | None = None,
     ) -> None:
-        """Register callbacks; they should only enqueue work. Objects already stored are replayed as adds."""
+        """Register callbacks; they should only enqueue work. Objects already stored are replayed as adds,
+        objects skipped now (``Rejection``) as rejects."""
         if on_add is not None:
             self._on_add.append(on_add)
             for obj in list(self._items.values()):
@@ -147,6 +185,10 @@ class Informer(Generic[T]):
             self._on_update.append(on_update)
         if on_delete is not None:
             self._on_delete.append(on_delete)
+        if on_reject is not None:
+            self._on_reject.append(on_reject)
+            for rejection in list(self._rejected.values()):
+                self._call(on_reject, rejection)
 
     # ---- reads --------------------------------------------------------------------------------------
 
@@ -186,6 +228,10 @@ class Informer(Generic[T]):
 
     def index_values(self, index: str) -> builtins.list[str]:
         return list(self._indices[index])
+
+    def rejected(self) -> builtins.list[Rejection]:
+        """The objects skipped now (see the module docstring)."""
+        return list(self._rejected.values())
 
     def __len__(self) -> int:
         return len(self._items)
@@ -244,6 +290,7 @@ class Informer(Generic[T]):
         INFORMER_RELISTS.labels(self.name, reason).inc()
         fresh: dict[str, T] = {}
         rvs: dict[str, str] = {}
+        skipped: set[str] = set()
         token: str | None = None
         list_rv = ""
         while True:
@@ -258,12 +305,20 @@ class Informer(Generic[T]):
             list_rv = list_rv or page.resource_version
             for raw in page.items:
                 key, rv = self._key_rv(raw)
-                fresh[key] = self._decode_raw(raw)
-                rvs[key] = rv
+                obj = self._decode_raw(raw)
+                if obj is None:
+                    skipped.add(key)
+                else:
+                    fresh[key] = obj
+                    rvs[key] = rv
+            for bad in page.rejected:
+                skipped.add(self._reject(bad.raw, bad.reason))
             token = page.continue_token
             if not token:
                 break
         # Diff against what we had: only the list decides what is gone, and it is complete here.
+        for key in self._rejected.keys() - skipped:
+            del self._rejected[key]
         added: list[T] = []
         updated: list[tuple[T, T]] = []
         deleted = [self._items[k] for k in self._items.keys() - fresh.keys()]
@@ -312,7 +367,7 @@ class Informer(Generic[T]):
         )
         async with contextlib.aclosing(stream):
             async for event in stream:
-                self._apply(event.type, event.object, event.resource_version)
+                self._apply(event.type, event.object, event.resource_version, event.rejected)
         INFORMER_WATCH_RESTARTS.labels(self.name, "closed").inc()
 
     def _refused(self, exc: KubeError) -> None:
@@ -326,7 +381,7 @@ class Informer(Generic[T]):
             log.info("informer works again informer=%s (was: %s)", self.name, self.failure)
             self.failure = None
 
-    def _apply(self, etype: str, raw: Raw, rv: str) -> None:
+    def _apply(self, etype: str, raw: Raw, rv: str, rejected: Rejected | None = None) -> None:
         INFORMER_EVENTS.labels(self.name, etype).inc()
         self._working()
         if etype == "BOOKMARK":
@@ -334,21 +389,38 @@ class Informer(Generic[T]):
             return
         key, _ = self._key_rv(raw)
         if etype in ("ADDED", "MODIFIED"):
-            obj = self._decode_raw(raw)
+            obj = None
+            if rejected is not None:
+                self._reject(raw, rejected.reason)
+            else:
+                obj = self._decode_raw(raw)
             old = self._items.get(key)
-            self._store(key, rv, obj)
             self._resource_version = rv or self._resource_version
+            if obj is None:
+                # Skipped: an earlier version must not stay behind as if it were current.
+                if old is not None:
+                    self._remove(key)
+                    self._objects.set(len(self._items))
+                    self._dispatch_delete(old)
+                return
+            self._rejected.pop(key, None)
+            self._store(key, rv, obj)
             self._objects.set(len(self._items))
             if old is None:
                 self._dispatch_add(obj)
             else:
                 self._dispatch_update(old, obj)
         elif etype == "DELETED":
+            old = self._items.get(key)
             self._remove(key)
+            self._rejected.pop(key, None)
             self._resource_version = rv or self._resource_version
             self._objects.set(len(self._items))
             # Handlers get the final state from the event: it is newer than what we stored.
-            self._dispatch_delete(self._decode_raw(raw))
+            final = self._decode_raw(raw, quiet=True) if rejected is None else None
+            gone = final if final is not None else old
+            if gone is not None:
+                self._dispatch_delete(gone)
         else:
             log.warning("informer ignoring event informer=%s type=%s", self.name, etype)
 
@@ -359,11 +431,45 @@ class Informer(Generic[T]):
         ns = meta.get("namespace") if self.resource.namespaced else None
         return object_key(ns, str(meta.get("name") or "")), str(meta.get("resourceVersion") or "")
 
-    def _decode_raw(self, raw: Raw) -> T:
+    def _decode_raw(self, raw: Raw, *, quiet: bool = False) -> T | None:
+        """The projection of ``raw``; None when ``decode`` refuses it (skipped and told, unless ``quiet``)."""
         meta = raw.get("metadata")
         if isinstance(meta, dict):
             meta.pop("managedFields", None)
-        return self._decode(raw)
+        try:
+            return self._decode(raw)
+        except Exception as exc:
+            if not quiet:
+                self._reject(raw, f"cannot be decoded: {_one_line(exc)}")
+            return None
+
+    def _reject(self, raw: Raw, reason: str) -> str:
+        """Skip one object version: log (rate-limited), count, and tell the ``on_reject`` handlers, once per
+        version. Returns its key."""
+        meta = _meta(raw)
+        key, rv = self._key_rv(raw)
+        known = self._rejected.get(key)
+        if known is not None and known.ref.resource_version == rv:
+            return key
+        uid = meta.get("uid")
+        ref = ObjectRef(
+            kind=self.resource.kind,
+            api_version=self.resource.api_version,
+            name=key.rpartition("/")[2],
+            namespace=key.rpartition("/")[0] or None,
+            uid=uid if isinstance(uid, str) else None,
+            resource_version=rv,
+        )
+        rejection = Rejection(ref, reason)
+        self._rejected[key] = rejection
+        INFORMER_REJECTED.labels(self.name).inc()
+        lvl = logging.WARNING if _REJECT_LOG.try_take() else logging.DEBUG
+        log.log(
+            lvl, "informer skips an object informer=%s object=%s resource_version=%s: %s", self.name, key, rv, reason
+        )
+        for fn in self._on_reject:
+            self._call(fn, rejection)
+        return key
 
     def _store(self, key: str, rv: str, obj: T) -> None:
         self._items[key] = obj
@@ -400,7 +506,7 @@ class Informer(Generic[T]):
 
     # ---- handlers -----------------------------------------------------------------------------------
 
-    def _call(self, fn: Callable[..., None], *args: T) -> None:
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
         try:
             fn(*args)
         except Exception:
@@ -417,6 +523,35 @@ class Informer(Generic[T]):
     def _dispatch_delete(self, obj: T) -> None:
         for fn in self._on_delete:
             self._call(fn, obj)
+
+
+def _one_line(exc: Exception) -> str:
+    """A decode error in one line: pydantic's first error as ``field: message``, anything else by type."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            return shown(f"{where}: {first.get('msg', '')}", 200)
+        except Exception:
+            pass  # the plain form below
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {shown(text, 200)}"
+
+
+def event_reporter(recorder: EventRecorder) -> RejectHandler:
+    """An ``on_reject`` handler: a Warning Event on the skipped object (the recorder dedupes and rate-limits)."""
+
+    def report(rejection: Rejection) -> None:
+        ref = rejection.ref
+        recorder.record(
+            ref,
+            EventType.WARNING,
+            REASON_OBJECT_SKIPPED,
+            f"{recorder.component} skips this {ref.kind} until it changes: {rejection.reason}",
+        )
+
+    return report
 
 
 async def wait_for_sync(*informers: Informer[Any], within: float | None = None) -> None:

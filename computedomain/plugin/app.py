@@ -50,7 +50,7 @@ from computedomain.http import EndpointError, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.converge import Retries
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
-from computedomain.kube.informer import Informer
+from computedomain.kube.informer import Informer, event_reporter
 from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.version import UnsupportedServerError, require_supported
 from computedomain.plugin.budget import Budget
@@ -61,6 +61,7 @@ from computedomain.plugin.claims import KubeClaimReader
 from computedomain.plugin.cleanup import Cleanup
 from computedomain.plugin.clique_label import CliqueLabeler, NodeHardware
 from computedomain.plugin.collaborators import HostCheck
+from computedomain.plugin.daemon_owner import KubeDaemonPods
 from computedomain.plugin.domains import DaemonReadinessWatch, DomainCache
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.metrics import Instrumented, NodeState, watch_node
@@ -133,6 +134,7 @@ class NodeAgent:
                 plugin_dir=self.plugin_dir,
                 host_managed=settings.host_managed,
                 budget=Budget(settings.prepare_budget, settings.prepare_backoff_initial, settings.prepare_backoff_max),
+                daemon_namespaces=settings.managed_namespaces,
             ),
             store=self.store,
             cdi_dir=self.cdi,
@@ -142,6 +144,7 @@ class NodeAgent:
             readiness=self.readiness,
             hardware=self.hardware,
             host_check=host_check,
+            daemon_pods=KubeDaemonPods(client),
         )
         self.retries = Retries.of(settings)
         self.cleanup = Cleanup(
@@ -282,6 +285,9 @@ class NodeAgent:
             await asyncio.to_thread(self.prepare_startup)
         assert self.publisher is not None
         self.report_checkpoint()
+        report = event_reporter(self.events)  # objects the caches skip (a hostile one costs only itself)
+        for informer in self.informers():
+            informer.add_handler(on_reject=report)
         background: list[asyncio.Task[Any]] = []
 
         def spawn(name: str, make: Callable[[], Any]) -> None:

@@ -8,7 +8,8 @@ channels to inject. Nothing on the node is touched here, so a bad claim leaves n
 Checks, in order: the claim is allocated and its UID is the one the kubelet named; its opaque configs
 decode strictly (``opaque.resolve``: unknown fields and a ``domainID`` that is not a UUID are rejected);
 every device is one this node publishes, from this node's pool; daemon claims are refused in hostManaged
-mode; a channel claim's ComputeDomain exists in the claim's own namespace, a daemon claim's anywhere.
+mode, and otherwise only prepared for pods of the domain's own DaemonSet (``daemon_owner``); a channel
+claim's ComputeDomain exists in the claim's own namespace, a daemon claim's anywhere.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from computedomain.plugin.collaborators import (
     Hardware,
     RunBlocking,
 )
+from computedomain.plugin.daemon_owner import DaemonPods, check_daemon_claim
 from computedomain.plugin.failures import ClaimRejected
 from computedomain.plugin.opaque import ResolvedDevice, resolve
 from computedomain.plugin.preparer import ClaimRef
@@ -67,6 +69,9 @@ class ClaimPlanner:
     hardware: Hardware
     driver_name: str = DRIVER_NAME
     run_blocking: RunBlocking = asyncio.to_thread
+    #: where daemon claims may be prepared, and how their pods are read (None: no daemon claim passes)
+    daemon_namespaces: tuple[str, ...] = ()
+    daemon_pods: DaemonPods | None = None
 
     async def plan(self, ref: ClaimRef) -> ClaimPlan:
         claim = await self.claims.get_claim(ref.namespace, ref.name)
@@ -93,6 +98,8 @@ class ClaimPlanner:
             raise ClaimRejected(
                 "daemon claims are not supported with IMEX_MODE=hostManaged: the host runs nvidia-imex itself"
             )
+        if kind is DeviceKind.DAEMON:
+            await check_daemon_claim(claim, item.domain_id, namespaces=self.daemon_namespaces, pods=self.daemon_pods)
         domain = await self.domains.get_domain(item.domain_id)
         if kind is DeviceKind.DAEMON:
             if domain is None:

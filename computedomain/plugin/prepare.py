@@ -68,6 +68,7 @@ from computedomain.plugin.collaborators import (
     NodeLabeler,
     RunBlocking,
 )
+from computedomain.plugin.daemon_owner import DaemonPods
 from computedomain.plugin.failures import ClaimRejected
 from computedomain.plugin.preparer import ClaimRef, ClaimUid, PreparedDevice, PrepareResult, UnprepareResult
 from computedomain.plugin.side_effects import SideEffects
@@ -104,6 +105,8 @@ class PreparerConfig:
     host_managed: bool = False
     driver_name: str = DRIVER_NAME
     budget: Budget = field(default_factory=Budget)
+    #: the namespaces the IMEX daemons run in: daemon claims elsewhere are refused
+    daemon_namespaces: tuple[str, ...] = ()
 
     @property
     def domains_dir(self) -> Path:
@@ -125,6 +128,7 @@ class Preparer:
         readiness: DaemonReadiness,
         hardware: Hardware,
         host_check: HostCheck | None = None,
+        daemon_pods: DaemonPods | None = None,
         clock: Clock | None = None,
         now: Callable[[], datetime] = utcnow,
         rng: random.Random | None = None,
@@ -147,6 +151,8 @@ class Preparer:
             hardware=hardware,
             driver_name=config.driver_name,
             run_blocking=run_blocking,
+            daemon_namespaces=config.daemon_namespaces,
+            daemon_pods=daemon_pods,
         )
         self.effects = SideEffects(
             host_managed=config.host_managed,

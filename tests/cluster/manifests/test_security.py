@@ -142,9 +142,9 @@ def _params(kind: str, domain: str) -> dict[str, Any]:
 def _tenant_kubeconfig(s: Installed) -> Path:
     """A ServiceAccount of the tenant namespace that may create claims, templates and pods there, nothing else."""
     c, ns = s.cluster, s.tenant_ns
-    c.kubectl("create", "serviceaccount", "tenant", "-n", ns)
     c.apply(
         [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": ns}},
             {
                 "apiVersion": "rbac.authorization.k8s.io/v1",
                 "kind": "Role",
@@ -242,6 +242,81 @@ def test_tenant_cannot_claim_a_daemon_device(installed: Installed) -> None:
         DAEMON_DEVICE_CLASS
     )
     c.kubectl("delete", "pod", pod["metadata"]["name"], "-n", s.ns, "--wait=false")
+
+
+def _deep_template(name: str, parameters: str) -> str:
+    """A ResourceClaimTemplate labelled like a ComputeDomain's child, with opaque parameters as given (raw
+    JSON text) for another driver, so no policy of ours looks inside them."""
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "labels": {COMPUTE_DOMAIN_LABEL: str(uuid.uuid4())}},
+        "spec": {"spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": "gpu.example.com", "parameters": "@P@"}}],
+        }}},
+    }  # fmt: skip
+    return json.dumps(template).replace('"@P@"', parameters)
+
+
+def test_a_hostile_template_costs_only_itself(installed: Installed) -> None:
+    """Opaque parameters nested as deep as the apiserver stores them (it bounds their size, 10,240 bytes, not
+    their depth: `{"a":`, 5,116 `[`, `11` and the closing brackets are 10,240 bytes and 5,117 levels) in a labelled template of a tenant. The controller's
+    template cache skips it with an Event naming the field and the limit, and every other domain converges.
+    The chart's admission policies are on: they let it in (its driver is not ours)."""
+    s, c = installed, installed.cluster
+    tenant = _tenant_kubeconfig(s)
+
+    def params(levels: int, pad: int = 0) -> str:
+        return '{"a":' + "[" * (levels - 1) + "1" * (1 + pad) + "]" * (levels - 1) + "}"
+
+    assert len(params(5117, pad=1)) == 10_240  # 5,118 levels would take 10,241 bytes
+    result = subprocess.run(
+        [str(KUBECTL), "--kubeconfig", str(tenant), "create", "-f", "-"],
+        input=_deep_template("deep-one-byte-more", params(5117, pad=2)), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0 and "may not be more than 10240 bytes" in result.stderr, result.stderr
+    result = subprocess.run(
+        [str(KUBECTL), "--kubeconfig", str(tenant), "create", "-f", "-", "-o", "jsonpath={.metadata.uid}"],
+        input=_deep_template("deep", params(5117, pad=1)), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    hostile_uid = result.stdout.strip()
+    pod = wait_for(lambda: running_pod(c, s.ns, "app.kubernetes.io/component=controller"), "controller pod")
+    controller = run_controller(c, pod, s.tmp, s.workload_ns)
+    try:
+        _create_cd(c, s.workload_ns, "steady")
+
+        def ready() -> bool:
+            cd = c.get("computedomain", "steady", s.workload_ns)
+            return (cd.get("status") or {}).get("status") == "Ready"
+
+        wait_for(ready, "the other domain Ready", timeout=60)
+
+        def told() -> dict[str, Any] | None:
+            out = c.kubectl(
+                "get", "events", "-n", s.tenant_ns, "--field-selector", "involvedObject.name=deep", "-o", "json"
+            )
+            events = [e for e in json.loads(out)["items"] if e["reason"] == "ObjectSkipped"]
+            return events[0] if events else None
+
+        event = wait_for(told, "the Event on the hostile template")
+        assert event["type"] == "Warning" and event["involvedObject"]["uid"] == hostile_uid
+        assert event["involvedObject"]["kind"] == "ResourceClaimTemplate"
+        message = event["message"]
+        assert message.startswith("computedomain-controller skips this ResourceClaimTemplate until it changes:")
+        assert "spec.spec.devices.config[0].opaque.parameters.a[0][0]" in message, message
+        assert "is nested 5124 levels deep; the limit is 200 levels" in message, message
+    finally:
+        c.kubectl("delete", "computedomain", "steady", "-n", s.workload_ns, "--wait=false", check=False)
+        wait_for(
+            lambda: not c.kubectl("get", "computedomain", "steady", "-n", s.workload_ns, "--ignore-not-found", "-o", "name").strip(),
+            "the domain torn down",
+            timeout=60,
+        )  # fmt: skip
+        controller.terminate()
+        controller.wait(timeout=30)
+        c.kubectl("delete", "resourceclaimtemplate", "deep", "-n", s.tenant_ns, check=False)
 
 
 # --- each daemon only writes its own objects --------------------------------------------------------

@@ -266,3 +266,67 @@ def test_node_agent_token_is_bound_to_its_node_and_confined_to_it(real_nodes: Re
     # Clique entries are the IMEX daemons' to write: the agent may only read them.
     code, out = as_agent("auth", "can-i", "patch", "computedomaincliques.resource.nvidia.com", "-n", release.driver_ns)
     assert out.strip() == "no", out
+
+
+def test_a_pod_outside_the_domains_daemonset_never_gets_its_daemon_device(
+    scenario: Scenario, real_nodes: RealNodes, release: RealRelease
+) -> None:
+    """The node agent's check alone (the chart's daemon-claims admission policy is unbound for this test): a
+    workload pod whose claim got another domain's daemon device allocated stays ContainerCreating, and the
+    kubelet's Event carries the node agent's refusal, naming the rule."""
+    node = real_nodes.nodes[0]
+    cd = scenario.name("victim")
+    scenario.compute_domain(cd)
+    uid = release.get("computedomain", cd, scenario.ns)["metadata"]["uid"]  # type: ignore[index]
+    (binding,) = [
+        b for b in release.items("validatingadmissionpolicybindings", selector=f"app.kubernetes.io/instance={release.release}")
+        if b["metadata"]["name"].endswith("-daemon-claims")
+    ]  # fmt: skip
+    release.kubectl("delete", "validatingadmissionpolicybinding", binding["metadata"]["name"])
+    claim, pod = scenario.name("steal"), scenario.name("thief")
+    try:
+        body = json.dumps({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": claim},
+            "spec": {"devices": {
+                "requests": [{"name": "daemon", "exactly": {"deviceClassName": "compute-domain-daemon.nvidia.com"}}],
+                "config": [{"requests": ["daemon"], "opaque": {"driver": "compute-domain.nvidia.com", "parameters": {
+                    "apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomainDaemonConfig", "domainID": uid}}}],
+            }},
+        })  # fmt: skip
+        # The apiserver drops the policy a moment after its binding is gone.
+        wait_for(lambda: release.cluster.kubectl("apply", "-n", scenario.ns, "-f", "-", input=body, check=False)
+                 .returncode == 0, "the claim admitted")  # fmt: skip
+        release.kubectl("apply", "-n", scenario.ns, "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node.name}, "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "c", "image": "ghcr.io/computedomain/computedomain:0.1.0",
+                                "command": ["sleep", "3600"], "resources": {"claims": [{"name": "d"}]}}],
+                "resourceClaims": [{"name": "d", "resourceClaimName": claim}],
+            },
+        }))  # fmt: skip
+        rule = f"is only for pods of its DaemonSet computedomain-daemon-{uid} in namespace {release.driver_ns}"
+
+        def refused() -> str | None:
+            events = scenario.events(pod)
+            return events if rule in events else None
+
+        events = wait_for(refused, "the refusal on the pod")
+        assert "FailedPrepareDynamicResources" in events and f"is in namespace {scenario.ns}" in events, events
+        status = (scenario.get_pod(pod) or {}).get("status", {})
+        waiting = status["containerStatuses"][0]["state"].get("waiting", {})
+        assert status["phase"] == "Pending" and waiting.get("reason") == "ContainerCreating", status
+        claim_obj = release.get("resourceclaim", claim, scenario.ns)
+        assert claim_obj is not None and claim_obj["status"]["allocation"]["devices"]["results"][0]["device"] == (
+            "daemon-0"
+        )
+        assert live_state(node, claim_obj["metadata"]["uid"]) is None
+        assert not cdi_claim_files(node)
+    finally:
+        release.kubectl("delete", "pod", pod, "-n", scenario.ns, "--wait=true", "--timeout=120s", check=False)
+        release.kubectl("delete", "resourceclaim", claim, "-n", scenario.ns, check=False)
+        for key in ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields"):
+            binding["metadata"].pop(key, None)
+        binding.pop("status", None)
+        release.kubectl("create", "-f", "-", input=json.dumps(binding))
+        scenario.delete("computedomain", cd)

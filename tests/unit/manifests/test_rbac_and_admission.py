@@ -62,6 +62,10 @@ NODE_AGENT = (
     | _v("", "nodes", *READ, "patch")
     | _v("", "events", "create", "patch")
 )
+# driverManaged only, in the daemons' namespaces: cliques (readiness) and the daemon claims' owner check.
+NODE_AGENT_DAEMONS = (
+    _v("resource.nvidia.com", "computedomaincliques", *READ) | _v("", "pods", "get") | _v("apps", "daemonsets", "get")
+)
 DAEMON = _v("resource.nvidia.com", "computedomaincliques", *READ, "create", "update") | _v("", "pods", *READ, "patch")
 
 
@@ -76,7 +80,7 @@ def test_exact_grants(default: Rendered) -> None:
     assert _grants(render("daemonNetworkPolicy.enabled=false"), "controller") == CONTROLLER | (
         NETWORK_POLICIES - _v("networking.k8s.io", "networkpolicies", "create")
     )
-    assert _grants(default, "kubelet-plugin") == NODE_AGENT | _v("resource.nvidia.com", "computedomaincliques", *READ)
+    assert _grants(default, "kubelet-plugin") == NODE_AGENT | NODE_AGENT_DAEMONS
     assert _grants(default, "daemon") == DAEMON
     assert _grants(render(*HOST_MANAGED), "kubelet-plugin") == NODE_AGENT
     assert _grants(render(*HOST_MANAGED), "daemon") == set()

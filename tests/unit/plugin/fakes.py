@@ -15,6 +15,7 @@ from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CapabilityDevice, CdiSpecDir
 from computedomain.plugin.checkpoint import CheckpointStore
 from computedomain.plugin.collaborators import ClaimSnapshot, DomainInfo
+from computedomain.plugin.daemon_owner import OwnerRef, PodFacts
 from computedomain.plugin.failures import ClaimNotFoundError, LabelConflictError, NotReadyError
 from computedomain.plugin.prepare import Preparer, PreparerConfig
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
@@ -90,6 +91,28 @@ class FakeDomains:
 
     async def get_domain(self, uid: str) -> DomainInfo | None:
         return self.domains.get(uid)
+
+
+class FakeDaemonPods:
+    """Pods and DaemonSets by (namespace, name), as the daemon owner check reads them."""
+
+    def __init__(self) -> None:
+        self.pods: dict[tuple[str, str], PodFacts] = {}
+        self.daemonsets: dict[tuple[str, str], str] = {}
+
+    def daemon_pod(self, namespace: str, domain_uid: str) -> dict[str, str]:
+        """A pod of the domain's DaemonSet (made if absent); its reservedFor entry."""
+        ds = f"computedomain-daemon-{domain_uid}"
+        ds_uid = self.daemonsets.setdefault((namespace, ds), str(uuid.uuid4()))
+        name, uid = f"{ds}-{uuid.uuid4().hex[:5]}", str(uuid.uuid4())
+        self.pods[(namespace, name)] = PodFacts(uid, OwnerRef("apps/v1", "DaemonSet", ds, ds_uid))
+        return {"resource": "pods", "name": name, "uid": uid}
+
+    async def pod(self, namespace: str, name: str) -> PodFacts | None:
+        return self.pods.get((namespace, name))
+
+    async def daemonset_uid(self, namespace: str, name: str) -> str | None:
+        return self.daemonsets.get((namespace, name))
 
 
 class FakeLabels:
@@ -194,12 +217,14 @@ class Bed:
         self.labels = FakeLabels()
         self.readiness = FakeReadiness(self.clock)
         self.hardware = FakeHardware(clique)
+        self.daemon_pods = FakeDaemonPods()
         self.preparer = Preparer(
             PreparerConfig(
                 node_name=NODE,
                 plugin_dir=self.plugin_dir,
                 host_managed=host_managed,
                 budget=Budget(budget_s, backoff_initial=0.01, backoff_max=0.05),
+                daemon_namespaces=("driver",),
             ),
             store=self.store,
             cdi_dir=self.cdi,
@@ -209,6 +234,7 @@ class Bed:
             readiness=self.readiness,
             hardware=self.hardware,
             host_check=host_check,
+            daemon_pods=self.daemon_pods,
             clock=self.clock,
             run_blocking=inline if isinstance(self.clock, FakeClock) else asyncio.to_thread,
         )
@@ -224,5 +250,8 @@ class Bed:
         )
 
     def daemon_claim(self, domain: DomainInfo, namespace: str = "driver") -> ClaimRef:
+        """A daemon claim reserved for a pod of the domain's DaemonSet."""
         name = f"daemon-{uuid.uuid4().hex[:5]}"
-        return self.claims.add(namespace, name, claim_status("daemon-0", daemon_params(domain.uid)))
+        status = claim_status("daemon-0", daemon_params(domain.uid))
+        status["reservedFor"] = [self.daemon_pods.daemon_pod(namespace, domain.uid)]
+        return self.claims.add(namespace, name, status)
