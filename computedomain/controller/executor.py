@@ -248,15 +248,9 @@ class Reconciler:
             if time.monotonic() - released[1] < RELEASED_RECHECK:
                 return RequeueAfter(RELEASED_RECHECK)
             del self._released[uid]
-        created: list[str] = []
-        try:
-            return await self._converge(observed, created)
-        finally:
-            if created:
-                # One Event per pass, not one per object: Events are API writes too.
-                self.writer.event(observed.cd, EventType.NORMAL, "Created", "created " + ", ".join(created))
+        return await self._converge(observed)
 
-    async def _converge(self, observed: Observed, created: list[str]) -> ReconcileResult:
+    async def _converge(self, observed: Observed) -> ReconcileResult:
         uid = observed.cd.uid
         for _ in range(MAX_ROUNDS):
             plan = desired(observed, self.settings, self._now())
@@ -268,7 +262,7 @@ class Reconciler:
                     log.debug("reconcile waiting cd=%s uid=%s %s", _name(observed.cd), uid, plan.waiting)
                 break
             log.debug("reconcile cd=%s uid=%s actions=%s", _name(observed.cd), uid, plan.actions)
-            results = await gather_all(self._apply(observed, a, created) for a in plan.actions)
+            results = await gather_all(self._apply(observed, a) for a in plan.actions)
             for action, result in zip(plan.actions, results, strict=True):
                 observed = fold(observed, action, result)
         else:
@@ -278,7 +272,7 @@ class Reconciler:
             return RequeueAfter(CONFLICT_RECHECK)
         return DONE
 
-    async def _apply(self, observed: Observed, action: Action, created: list[str]) -> Result:
+    async def _apply(self, observed: Observed, action: Action) -> Result:
         cd = observed.cd
         patch: dict[str, Any]
         if isinstance(action, AddFinalizer):
@@ -313,10 +307,8 @@ class Reconciler:
             )
             return cd.model_copy(update={"metadata": meta})
         if isinstance(action, CreateChild):
-            return await self._create(cd, action, created)
+            return await self._create(cd, action)
         if isinstance(action, DeleteChild):
-            if action.child.kind is ChildKind.WORKLOAD_TEMPLATE:
-                self.writer.event(cd, EventType.NORMAL, "TearingDown", "deleting the domain's objects")
             return await self.writer.delete_child(action.child)
         if isinstance(action, ReleaseChild):
             return await self.writer.release_child(action.child)
@@ -337,7 +329,7 @@ class Reconciler:
             return written
         raise TypeError(f"unknown action {action!r}")  # pragma: no cover
 
-    async def _create(self, cd: ComputeDomain, action: CreateChild, created: list[str]) -> Child | NameTaken:
+    async def _create(self, cd: ComputeDomain, action: CreateChild) -> Child | NameTaken:
         resource = resource_of(action.kind)
         try:
             raw = await self.client.create(resource, action.body, namespace=action.namespace)
@@ -358,16 +350,7 @@ class Reconciler:
         child = decode_child(raw, action.kind)
         self.caches.note_created(child)
         log.info("created cd=%s uid=%s object=%s", _name(cd), cd.uid, child)
-        created.append(f"{_describe(action.kind)} {child.namespace}/{child.name}")
         return child
-
-
-def _describe(kind: ChildKind) -> str:
-    return {
-        ChildKind.DAEMONSET: "DaemonSet",
-        ChildKind.DAEMON_TEMPLATE: "daemon ResourceClaimTemplate",
-        ChildKind.WORKLOAD_TEMPLATE: "ResourceClaimTemplate",
-    }[kind]
 
 
 def _name(cd: ComputeDomain) -> str:

@@ -350,6 +350,14 @@ class KubeClient:
             await load_kube_config(config_file=path, context=context, client_configuration=cfg, persist_config=False)
         return cls(ApiClient(configuration=cfg), config=config, clock=clock)
 
+    def with_own_budget(self) -> KubeClient:
+        """The same connection pool, credentials and limits, with a token bucket of its own: for writes that
+        must never wait for, or take, the tokens of this client's callers (Events). Closing it closes nothing;
+        the pool belongs to this client."""
+        other = KubeClient(self._api, config=self.config, clock=self._clock, rng=self._rng)
+        other._closed = True
+        return other
+
     async def close(self) -> None:
         if not self._closed:
             self._closed = True

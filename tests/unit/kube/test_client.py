@@ -190,3 +190,22 @@ def test_resource_paths_validate_scope() -> None:
         PODS.path(name="p")
     with pytest.raises(ValueError, match="cluster-scoped"):
         NODES.path(namespace="ns", name="n")
+
+
+async def test_a_client_with_its_own_budget_never_takes_the_tokens_of_the_first(
+    api: tuple[FakeAPI, KubeClient],
+) -> None:
+    fake, base = api
+    clock = RecordingClock()
+    client = KubeClient(base._api, config=ClientConfig(qps=1, burst=2), clock=clock)
+    events = client.with_own_budget()
+    for _ in range(5):
+        await events.get(PODS, "e", namespace="ns")
+    assert len(clock.slept) == 3, "the second client waits on its own bucket (burst 2, then 1 per second)"
+    clock.slept.clear()
+    await client.get(PODS, "p", namespace="ns")
+    await client.get(PODS, "p", namespace="ns")
+    assert clock.slept == [], "the first client's burst is untouched by the other's writes"
+    await events.close()
+    await client.get(PODS, "p", namespace="ns")  # closing the other closed nothing
+    assert len(fake.requests) == 8
