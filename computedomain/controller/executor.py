@@ -6,7 +6,10 @@ domain the cache does not have is left alone: missing from a cache is not delete
 Every write is conditional: merge patches of finalizers carry the resourceVersion they were computed from,
 status writes are PUTs of the status subresource with the cached resourceVersion, deletes carry the UID
 precondition, node label removal tests the label's value. A conflict fails the pass; the work queue retries it
-with backoff, by which time the watch has delivered the newer object.
+with backoff, by which time the watch has delivered the newer object. A status write that only tells more
+progress of a waiting domain (``status.is_progress``) within ``status.PROGRESS_INTERVAL`` of this process's
+last status write for that domain waits for the rest of the interval (``RequeueAfter``): daemons that
+register one after another cost a few status writes, not one each.
 
 A plan that is ``stuck`` (a spec the controller cannot act on) raises ``Stuck``; any other failure simply
 raises. The convergence loop (``kube.converge``) decides what that means: transient failures are retried
@@ -33,7 +36,7 @@ from prometheus_client import Counter
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainStatus
-from computedomain.controller import cleanup, nodes
+from computedomain.controller import cleanup, nodes, status
 from computedomain.controller.caches import Caches
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, decode_child, decode_pod
 from computedomain.controller.reconcile import (
@@ -227,6 +230,8 @@ class Reconciler:
         self._now = now
         # Domains whose finalizer we removed, by UID -> the resourceVersion we removed it from.
         self._released: dict[str, tuple[str, float]] = {}
+        # When this process last wrote each domain's status (monotonic), for spacing progress writes.
+        self._status_written: dict[str, float] = {}
 
     async def reconcile(self, uid: str) -> ReconcileResult:
         try:
@@ -239,6 +244,7 @@ class Reconciler:
         observed = self.caches.observe(uid)
         if observed is None:
             self._released.pop(uid, None)
+            self._status_written.pop(uid, None)
             return DONE
         released = self._released.get(uid)
         if released is not None and released[0] == observed.cd.metadata.resource_version:
@@ -261,6 +267,10 @@ class Reconciler:
                 if plan.waiting:
                     log.debug("reconcile waiting cd=%s uid=%s %s", _name(observed.cd), uid, plan.waiting)
                 break
+            wait = self._progress_wait(observed, plan.actions)
+            if wait > 0:
+                # Only progress to write, and the last write was moments ago: it coalesces with what comes next.
+                return RequeueAfter(wait)
             log.debug("reconcile cd=%s uid=%s actions=%s", _name(observed.cd), uid, plan.actions)
             results = await gather_all(self._apply(observed, a) for a in plan.actions)
             for action, result in zip(plan.actions, results, strict=True):
@@ -271,6 +281,15 @@ class Reconciler:
         if observed.template_name_conflict and observed.cd.metadata.deletion_timestamp is None:
             return RequeueAfter(CONFLICT_RECHECK)
         return DONE
+
+    def _progress_wait(self, observed: Observed, actions: tuple[Action, ...]) -> float:
+        """Seconds to hold a status write that only tells progress (``status.is_progress``); 0: write now."""
+        if len(actions) != 1 or not isinstance(actions[0], WriteStatus):
+            return 0.0
+        last = self._status_written.get(observed.cd.uid)
+        if last is None or not status.is_progress(observed.cd.status, actions[0].status):
+            return 0.0
+        return max(0.0, last + status.PROGRESS_INTERVAL - time.monotonic())
 
     async def _apply(self, observed: Observed, action: Action) -> Result:
         cd = observed.cd
@@ -300,6 +319,7 @@ class Reconciler:
                 )
                 self.caches.note_written(ComputeDomain.model_validate(raw))
             self._released[cd.uid] = (cd.metadata.resource_version, time.monotonic())
+            self._status_written.pop(cd.uid, None)
             log.info("teardown complete cd=%s uid=%s", _name(cd), cd.uid)
             # Whatever the apiserver answered, our part is done: fold a copy without our finalizer.
             meta = cd.metadata.model_copy(
@@ -318,6 +338,7 @@ class Reconciler:
             return await self.writer.prune(cd, action)
         if isinstance(action, WriteStatus):
             written = await self.writer.write_status(cd, action.status)
+            self._status_written[cd.uid] = time.monotonic()
             log.info(
                 "status written cd=%s uid=%s status=%s",
                 _name(cd),
