@@ -10,7 +10,7 @@ What it owns:
   projection themselves. Generated kubernetes_asyncio models are never built: they are 16-25x slower to
   decode;
 * a client-side token bucket (QPS/burst), a deadline on every attempt and on the whole call, and the single
-  call-level retry loop (tenacity): ``Transient`` and ``TooManyRequests`` are retried with jittered
+  call-level retry loop: ``Transient`` and ``TooManyRequests`` are retried with jittered
   exponential backoff, honouring ``Retry-After``; ``NotFound``, ``Conflict``, ``Gone`` and ``Permanent`` are
   raised at once, because only the caller (re-read, re-list, report) can fix those. Every error carries the
   verb, resource and namespace of the failed request (``KubeError.for_request``), so a 403 can name the
@@ -42,7 +42,6 @@ import aiohttp
 from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.config import load_incluster_config, load_kube_config
 from prometheus_client import Counter, Histogram
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import (
@@ -375,23 +374,13 @@ class KubeClient:
 
     # ---- the request core ----------------------------------------------------------------------------
 
-    def _backoff(self, rs: RetryCallState) -> float:
-        """Jittered exponential backoff; never shorter than the apiserver's Retry-After."""
-        n = rs.attempt_number
-        delay: float = min(self.config.backoff_cap, self.config.backoff_base * (2 ** (n - 1)))
+    def _backoff(self, attempt: int, exc: KubeError) -> float:
+        """Jittered exponential backoff after ``attempt`` failed; never shorter than the apiserver's Retry-After."""
+        delay = min(self.config.backoff_cap, self.config.backoff_base * 2.0 ** (attempt - 1))
         delay = delay * (0.5 + self._rng.random())  # "equal jitter": 0.5x .. 1.5x
-        exc = rs.outcome.exception() if rs.outcome is not None else None
-        if isinstance(exc, KubeError) and exc.retry_after is not None:
+        if exc.retry_after is not None:
             delay = max(delay, exc.retry_after * (1.0 + 0.1 * self._rng.random()))
         return delay
-
-    def _stop(self, rs: RetryCallState) -> bool:
-        # Give up when out of attempts or when the next sleep would overrun the call's deadline:
-        # a long Retry-After is better handled by the work queue than by parking the caller.
-        if rs.attempt_number >= self.config.max_attempts:
-            return True
-        elapsed = rs.seconds_since_start or 0.0
-        return elapsed + rs.upcoming_sleep > self.config.deadline
 
     async def _call(
         self,
@@ -406,47 +395,38 @@ class KubeClient:
         body: Any = None,
         content_type: str = _JSON,
     ) -> Raw:
-        """One API call with the call-level retries; the decoded JSON object. Errors carry the request."""
+        """One API call with the call-level retries; the decoded JSON object. Errors carry the request.
+
+        ``Transient`` and ``TooManyRequests`` are retried until ``max_attempts`` or until the next wait would
+        overrun the call's ``deadline``: a long Retry-After is better handled by the work queue than by
+        parking the caller."""
         path = resource.path(namespace=namespace, name=name, subresource=subresource)
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type((Transient, TooManyRequests)),
-            wait=self._backoff,
-            stop=self._stop,
-            sleep=self._clock.sleep,
-            reraise=True,
-            before_sleep=lambda rs: self._log_retry(rs, verb=verb, resource=resource.plural, path=path),
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    data = await self._attempt(
-                        method,
-                        path,
-                        verb=verb,
-                        resource=resource.plural,
-                        query=query,
-                        body=body,
-                        content_type=content_type,
-                    )
-        except KubeError as exc:
-            exc.for_request(verb, resource.qualified, namespace)
-            raise
+        started = self._clock.now()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                data = await self._attempt(
+                    method, path, verb=verb, resource=resource.plural, query=query, body=body, content_type=content_type
+                )
+                break
+            except (Transient, TooManyRequests) as exc:
+                delay = self._backoff(attempt, exc)
+                if attempt >= self.config.max_attempts or self._clock.now() - started + delay > self.config.deadline:
+                    exc.for_request(verb, resource.qualified, namespace)
+                    raise
+                API_RETRIES.labels(verb, resource.plural, type(exc).__name__).inc()
+                log.debug(
+                    "kube api retry verb=%s path=%s attempt=%d sleep=%.3fs error=%r", verb, path, attempt, delay, exc
+                )
+                await self._clock.sleep(delay)
+            except KubeError as exc:
+                exc.for_request(verb, resource.qualified, namespace)
+                raise
         decoded = json.loads(data) if data else {}
         if not isinstance(decoded, dict):
             raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded).__name__}")
         return decoded
-
-    def _log_retry(self, rs: RetryCallState, *, verb: str, resource: str, path: str) -> None:
-        exc = rs.outcome.exception() if rs.outcome is not None else None
-        API_RETRIES.labels(verb, resource, type(exc).__name__).inc()
-        log.debug(
-            "kube api retry verb=%s path=%s attempt=%d sleep=%.3fs error=%r",
-            verb,
-            path,
-            rs.attempt_number,
-            rs.upcoming_sleep,
-            exc,
-        )
 
     async def _throttle(self) -> None:
         waited = await self._bucket.acquire()
