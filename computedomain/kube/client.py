@@ -9,7 +9,8 @@ What it owns:
   and streaming watch. Callers get the decoded JSON and turn it into a pydantic model or a small frozen
   projection themselves. Generated kubernetes_asyncio models are never built: they are 16-25x slower to
   decode;
-* a client-side token bucket (QPS/burst), a deadline on every attempt and on the whole call, and the single
+* a client-side token bucket (QPS/burst), at most ``max_in_flight`` requests on the wire at once (watches
+  apart), a deadline on every attempt and on the whole call, and the single
   call-level retry loop: ``Transient`` and ``TooManyRequests`` are retried with jittered
   exponential backoff, honouring ``Retry-After``; ``NotFound``, ``Conflict``, ``Gone`` and ``Permanent`` are
   raised at once, because only the caller (re-read, re-list, report) can fix those. Every error carries the
@@ -240,6 +241,10 @@ class ClientConfig:
     user_agent: str = "computedomain/0.1"
     #: a watch with neither events nor bookmarks for this long is considered dead
     watch_inactivity_timeout: float = 70.0
+    #: requests (not watches) in flight at once. HTTP/1.1 needs a connection per request in flight, and every
+    #: TLS connection holds a 256 KiB read buffer (asyncio), so this bounds memory too: 100 connections cost
+    #: about 25 MiB. More in flight would not go faster: the token bucket paces requests, not the pool.
+    max_in_flight: int = 32
     extra_headers: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -305,6 +310,7 @@ class KubeClient:
         self.config = config or ClientConfig()
         self._clock: Clock = clock or MonotonicClock()
         self._bucket = TokenBucket(self.config.qps, self.config.burst, clock=self._clock)
+        self._in_flight = asyncio.Semaphore(max(1, self.config.max_in_flight))
         # Only for retry jitter; injectable so tests are deterministic.
         self._rng = rng or random.Random()
         self._api.user_agent = self.config.user_agent
@@ -476,7 +482,7 @@ class KubeClient:
         code = "error"
         start = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout):
+            async with self._in_flight, asyncio.timeout(timeout):
                 resp = await self._send(
                     method,
                     path,
