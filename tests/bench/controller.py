@@ -130,11 +130,11 @@ def per_limits(section: Section, all_limits: list[Limits], make: Callable[[Limit
 class ControllerProcess:
     """`python -m tests.cluster.controller.proc`: the controller's entry point, limited to one namespace."""
 
-    def __init__(self, bench: Bench, driver_ns: str, cd_ns: str, lim: Limits) -> None:
+    def __init__(self, bench: Bench, driver_ns: str, cd_ns: str, lim: Limits, kubeconfig: Path) -> None:
         self.port = free_port()
         env = {
             **{k: v for k, v in os.environ.items() if k not in ("KUBE_API_QPS", "KUBE_API_BURST")},
-            "KUBECONFIG": str(bench.local.kubeconfig),
+            "KUBECONFIG": str(kubeconfig),
             "NAMESPACE": driver_ns,
             "IMAGE_NAME": "registry.example/computedomain:bench",
             **lim.env(),
@@ -450,7 +450,7 @@ async def startup_round(bench: Bench, client: KubeClient, driver_ns: str, cd_ns:
     try:
         await cds.has_synced()
         await client.create(COMPUTE_DOMAINS, cd_body(name, cd_ns))
-        ctl = ControllerProcess(bench, driver_ns, cd_ns, lim)
+        ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, await bench.controller_kubeconfig())
         with contextlib.suppress(TimeoutError):
             await wait_for(lambda: name in seen, 60, "the first reconcile's write")
         return ctl, (seen[name] - ctl.started if name in seen else None)
@@ -592,18 +592,24 @@ async def one_pass(
                 await ctl.ready()
                 await delete_all(client, cd_ns)
         assert ctl is not None
+        answers: Counter[str] = Counter()
         async with Children(client) as children:
             for index in range(sizes.rounds):
                 tag = f"{lim.name}-{index}"
                 with bench.step(f"{lim.name}, round {index + 1}: the floor's {sizes.burst} domains"):
                     f["floor"].round(*await floor_round(client, children, settings, floor_ns, sizes.burst, tag))
                 with bench.step(f"{lim.name}, round {index + 1}: a burst of {sizes.burst} ComputeDomains"):
+                    before = ctl.requests(events=True)
                     f["burst"].round(*await burst_round(client, children, cd_ns, sizes.burst, tag))
+                    answers.update({k: v for k, v in (ctl.requests(events=True) - before).items() if "(" in k})
                 if f["floor"].rounds[-1] and f["burst"].rounds[-1]:
                     f["ratio"].round([percentile(f["burst"].rounds[-1], 99) / percentile(f["floor"].rounds[-1], 99)])
                 with bench.step(f"{lim.name}, round {index + 1}: deleting the burst's domains"):
                     await delete_all(client, cd_ns)
                     await delete_all(client, floor_ns, unowned=True)
+        f["burst"].note = "the controller's answers other than 2xx during the bursts: " + (
+            ", ".join(f"{k}={v}" for k, v in sorted(answers.items())) or "none (no 429)"
+        )
         for index in range(sizes.rounds):
             with bench.step(f"{lim.name}, round {index + 1}: Ready latency"):
                 f["ready"].round(*await ready_round(client, driver_ns, cd_ns, sizes.ready, f"{lim.name}-{index}"))
