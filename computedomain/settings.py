@@ -347,8 +347,27 @@ def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> 
     return mode
 
 
+# The controller's client limits (the node agents and daemons keep CommonSettings' 20/40: there are thousands of
+# them). They are a safety net against a runaway loop of our own, not what protects the apiserver: API Priority
+# and Fairness does (the controller's ServiceAccount lands in the workload-low priority level, fair-queued per
+# flow; a full queue answers 429 with Retry-After, which the client and the work queue honour). The burst
+# covers a burst of 100 domains created at once (four writes each before their children exist, one status
+# write) without a wait; the rate converges 1,000 domains created at once in under a minute. Events have a
+# bucket of the same size of their own. Measured: docs/design/0002-controller.md, `make bench-controller`.
+CONTROLLER_KUBE_API_QPS: Final = 100.0
+CONTROLLER_KUBE_API_BURST: Final = 500
+
+
 @dataclass(frozen=True)
 class ControllerSettings(CommonSettings):
+    kube_api_qps: float = setting(
+        "KUBE_API_QPS",
+        "client-side request rate limit (a safety net; API Priority and Fairness protects the apiserver)",
+        default=CONTROLLER_KUBE_API_QPS,
+    )
+    kube_api_burst: int = setting(
+        "KUBE_API_BURST", "client-side burst (covers 100 domains created at once)", default=CONTROLLER_KUBE_API_BURST
+    )
     image_name: str = setting("IMAGE_NAME", "image of the IMEX daemon pods", default="")
     daemon_image_pull_secrets: str = setting(
         "CD_DAEMON_IMAGE_PULL_SECRET_NAMES", "pull secrets of the daemon pods, comma separated", default=""

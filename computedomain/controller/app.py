@@ -157,7 +157,10 @@ class Controller:
         self.client = client
         self.identity = identity or make_identity(settings.pod_name)
         self.caches = Caches(client, settings, cd_namespace=cd_namespace)
-        self.recorder = EventRecorder(client, component="computedomain-controller", instance=self.identity)
+        # Events on a budget of their own: a burst of them never delays a reconcile's writes.
+        self.recorder = EventRecorder(
+            client.with_own_budget(), component="computedomain-controller", instance=self.identity
+        )
         self.ready = False
         self.leading = False
         self.loop: Converger[str] | None = None

@@ -6,7 +6,10 @@ domain the cache does not have is left alone: missing from a cache is not delete
 Every write is conditional: merge patches of finalizers carry the resourceVersion they were computed from,
 status writes are PUTs of the status subresource with the cached resourceVersion, deletes carry the UID
 precondition, node label removal tests the label's value. A conflict fails the pass; the work queue retries it
-with backoff, by which time the watch has delivered the newer object.
+with backoff, by which time the watch has delivered the newer object. A status write that only tells more
+progress of a waiting domain (``status.is_progress``) within ``status.PROGRESS_INTERVAL`` of this process's
+last status write for that domain waits for the rest of the interval (``RequeueAfter``): daemons that
+register one after another cost a few status writes, not one each.
 
 A plan that is ``stuck`` (a spec the controller cannot act on) raises ``Stuck``; any other failure simply
 raises. The convergence loop (``kube.converge``) decides what that means: transient failures are retried
@@ -41,7 +44,7 @@ from prometheus_client import Counter
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainStatus
-from computedomain.controller import adoption, cleanup, daemonset, nodes
+from computedomain.controller import adoption, cleanup, daemonset, nodes, status
 from computedomain.controller.caches import Caches
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, decode_child, decode_pod
 from computedomain.controller.reconcile import (
@@ -293,6 +296,8 @@ class Reconciler:
         self._now = now
         # Domains whose finalizer we removed, by UID -> the resourceVersion we removed it from.
         self._released: dict[str, tuple[str, float]] = {}
+        # When this process last wrote each domain's status (monotonic), for spacing progress writes.
+        self._status_written: dict[str, float] = {}
 
     async def reconcile(self, uid: str) -> ReconcileResult:
         try:
@@ -305,6 +310,7 @@ class Reconciler:
         observed = self.caches.observe(uid)
         if observed is None:
             self._released.pop(uid, None)
+            self._status_written.pop(uid, None)
             return DONE
         released = self._released.get(uid)
         if released is not None and released[0] == observed.cd.metadata.resource_version:
@@ -317,18 +323,12 @@ class Reconciler:
         schema = self.writer.schema
         if schema.pruned and not schema.probe():
             observed = replace(observed, conditions_pruned=True)
-        created: list[str] = []
-        try:
-            result = await self._converge(observed, created)
-            if schema.pruned and result is DONE:
-                return RequeueAfter(StatusSchema.PROBE_EVERY)  # so a fixed CRD is noticed without other events
-            return result
-        finally:
-            if created:
-                # One Event per pass, not one per object: Events are API writes too.
-                self.writer.event(observed.cd, EventType.NORMAL, "Created", "created " + ", ".join(created))
+        result = await self._converge(observed)
+        if schema.pruned and result is DONE:
+            return RequeueAfter(StatusSchema.PROBE_EVERY)  # so a fixed CRD is noticed without other events
+        return result
 
-    async def _converge(self, observed: Observed, created: list[str]) -> ReconcileResult:
+    async def _converge(self, observed: Observed) -> ReconcileResult:
         uid = observed.cd.uid
         for _ in range(MAX_ROUNDS):
             plan = desired(observed, self.settings, self._now())
@@ -339,8 +339,12 @@ class Reconciler:
                 if plan.waiting:
                     log.debug("reconcile waiting cd=%s uid=%s %s", _name(observed.cd), uid, plan.waiting)
                 break
+            wait = self._progress_wait(observed, plan.actions)
+            if wait > 0:
+                # Only progress to write, and the last write was moments ago: it coalesces with what comes next.
+                return RequeueAfter(wait)
             log.debug("reconcile cd=%s uid=%s actions=%s", _name(observed.cd), uid, plan.actions)
-            results = await gather_all(self._apply(observed, a, created) for a in plan.actions)
+            results = await gather_all(self._apply(observed, a) for a in plan.actions)
             for action, result in zip(plan.actions, results, strict=True):
                 observed = fold(observed, action, result)
         else:
@@ -350,7 +354,16 @@ class Reconciler:
             return RequeueAfter(CONFLICT_RECHECK)
         return DONE
 
-    async def _apply(self, observed: Observed, action: Action, created: list[str]) -> Result:
+    def _progress_wait(self, observed: Observed, actions: tuple[Action, ...]) -> float:
+        """Seconds to hold a status write that only tells progress (``status.is_progress``); 0: write now."""
+        if len(actions) != 1 or not isinstance(actions[0], WriteStatus):
+            return 0.0
+        last = self._status_written.get(observed.cd.uid)
+        if last is None or not status.is_progress(observed.cd.status, actions[0].status):
+            return 0.0
+        return max(0.0, last + status.PROGRESS_INTERVAL - time.monotonic())
+
+    async def _apply(self, observed: Observed, action: Action) -> Result:
         cd = observed.cd
         patch: dict[str, Any]
         if isinstance(action, AddFinalizer):
@@ -378,6 +391,7 @@ class Reconciler:
                 )
                 self.caches.note_written(ComputeDomain.model_validate(raw))
             self._released[cd.uid] = (cd.metadata.resource_version, time.monotonic())
+            self._status_written.pop(cd.uid, None)
             log.info("teardown complete cd=%s uid=%s", _name(cd), cd.uid)
             # Whatever the apiserver answered, our part is done: fold a copy without our finalizer.
             meta = cd.metadata.model_copy(
@@ -385,12 +399,10 @@ class Reconciler:
             )
             return cd.model_copy(update={"metadata": meta})
         if isinstance(action, CreateChild):
-            return await self._create(cd, action, created)
+            return await self._create(cd, action)
         if isinstance(action, TakeOverDaemonSet):
             return await self._take_over(cd, action.child)
         if isinstance(action, DeleteChild):
-            if action.child.kind is ChildKind.WORKLOAD_TEMPLATE:
-                self.writer.event(cd, EventType.NORMAL, "TearingDown", "deleting the domain's objects")
             return await self.writer.delete_child(action.child)
         if isinstance(action, ReleaseChild):
             return await self.writer.release_child(action.child)
@@ -400,6 +412,7 @@ class Reconciler:
             return await self.writer.prune(cd, action)
         if isinstance(action, WriteStatus):
             written = await self.writer.write_status(cd, action.status)
+            self._status_written[cd.uid] = time.monotonic()
             log.info(
                 "status written cd=%s uid=%s status=%s",
                 _name(cd),
@@ -411,7 +424,7 @@ class Reconciler:
             return written
         raise TypeError(f"unknown action {action!r}")  # pragma: no cover
 
-    async def _create(self, cd: ComputeDomain, action: CreateChild, created: list[str]) -> Child | NameTaken:
+    async def _create(self, cd: ComputeDomain, action: CreateChild) -> Child | NameTaken:
         resource = resource_of(action.kind)
         try:
             raw = await self.client.create(resource, action.body, namespace=action.namespace)
@@ -432,7 +445,6 @@ class Reconciler:
         child = decode_child(raw, action.kind)
         self.caches.note_created(child)
         log.info("created cd=%s uid=%s object=%s", _name(cd), cd.uid, child)
-        created.append(f"{_describe(action.kind)} {child.namespace}/{child.name}")
         return child
 
     async def _take_over(self, cd: ComputeDomain, child: Child) -> Child | Gone:

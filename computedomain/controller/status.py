@@ -24,7 +24,9 @@ missing permission, ``InvalidSpec`` with the field.
 
 ``status_differs`` decides whether a write is needed: node lists compare as maps keyed by name, the
 condition by everything but its timestamp; conditions are left out while the apiserver prunes them (a
-ComputeDomain CRD older than this controller: ``executor.StatusSchema``). ``transition_events`` says which Events a change deserves.
+ComputeDomain CRD older than this controller: ``executor.StatusSchema``). ``transition_events`` says which Events
+a change deserves. ``is_progress`` says whether a write only tells more progress of a waiting domain, which the
+executor spaces ``PROGRESS_INTERVAL`` apart so that consecutive changes coalesce.
 """
 
 from __future__ import annotations
@@ -250,3 +252,27 @@ def transition_events(cd: ComputeDomain, desired: ComputeDomainStatus) -> list[E
     elif new.reason != old.reason and new.reason in _CONFLICTS:
         events.append(EventSpec("Warning", "NotReady", new.message))
     return events
+
+
+# Progress of a domain that stays NotReady (one more daemon registered or ready) is written at most once per
+# this many seconds; the changes in between coalesce into the next write. What someone waits for is written
+# at once: the flip to Ready (or back), a failure, the first status, a new generation. The reference writes
+# every status on a 2 s timer; this keeps its write count without its latency.
+PROGRESS_INTERVAL = 1.0
+_PROGRESS_REASONS = frozenset({REASON_WAITING, REASON_NOT_READY})
+
+
+def is_progress(current: ComputeDomainStatus | None, desired: ComputeDomainStatus) -> bool:
+    """Whether ``desired`` only tells more progress than ``current`` (the domain NotReady before and after,
+    waiting for daemons both times, on the same generation): such a write may wait and coalesce."""
+    if current is None or current.status is not ReadyStatus.NOT_READY or desired.status is not ReadyStatus.NOT_READY:
+        return False
+    old = next((c for c in current.conditions or () if c.type == READY_CONDITION), None)
+    new = next((c for c in desired.conditions or () if c.type == READY_CONDITION), None)
+    return (
+        old is not None
+        and new is not None
+        and old.reason in _PROGRESS_REASONS
+        and new.reason in _PROGRESS_REASONS
+        and old.observed_generation == new.observed_generation
+    )

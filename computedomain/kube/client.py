@@ -9,8 +9,9 @@ What it owns:
   and streaming watch. Callers get the decoded JSON and turn it into a pydantic model or a small frozen
   projection themselves. Generated kubernetes_asyncio models are never built: they are 16-25x slower to
   decode;
-* a client-side token bucket (QPS/burst), a deadline on every attempt and on the whole call, and the single
-  call-level retry loop (tenacity): ``Transient`` and ``TooManyRequests`` are retried with jittered
+* a client-side token bucket (QPS/burst), at most ``max_in_flight`` requests on the wire at once (watches
+  apart), a deadline on every attempt and on the whole call, and the single
+  call-level retry loop: ``Transient`` and ``TooManyRequests`` are retried with jittered
   exponential backoff, honouring ``Retry-After``; ``NotFound``, ``Conflict``, ``Gone`` and ``Permanent`` are
   raised at once, because only the caller (re-read, re-list, report) can fix those. Every error carries the
   verb, resource and namespace of the failed request (``KubeError.for_request``), so a 403 can name the
@@ -42,7 +43,6 @@ import aiohttp
 from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.config import load_incluster_config, load_kube_config
 from prometheus_client import Counter, Histogram
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.decoding import (
@@ -258,6 +258,10 @@ class ClientConfig:
     user_agent: str = "computedomain/0.1"
     #: a watch with neither events nor bookmarks for this long is considered dead
     watch_inactivity_timeout: float = 70.0
+    #: requests (not watches) in flight at once. HTTP/1.1 needs a connection per request in flight, and every
+    #: TLS connection holds a 256 KiB read buffer (asyncio), so this bounds memory too: 100 connections cost
+    #: about 25 MiB. More in flight would not go faster: the token bucket paces requests, not the pool.
+    max_in_flight: int = 32
     extra_headers: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -325,6 +329,7 @@ class KubeClient:
         self.config = config or ClientConfig()
         self._clock: Clock = clock or MonotonicClock()
         self._bucket = TokenBucket(self.config.qps, self.config.burst, clock=self._clock)
+        self._in_flight = asyncio.Semaphore(max(1, self.config.max_in_flight))
         # Only for retry jitter; injectable so tests are deterministic.
         self._rng = rng or random.Random()
         self._api.user_agent = self.config.user_agent
@@ -369,6 +374,14 @@ class KubeClient:
             await load_kube_config(config_file=path, context=context, client_configuration=cfg, persist_config=False)
         return cls(ApiClient(configuration=cfg), config=config, clock=clock)
 
+    def with_own_budget(self) -> KubeClient:
+        """The same connection pool, credentials and limits, with a token bucket of its own: for writes that
+        must never wait for, or take, the tokens of this client's callers (Events). Closing it closes nothing;
+        the pool belongs to this client."""
+        other = KubeClient(self._api, config=self.config, clock=self._clock, rng=self._rng)
+        other._closed = True
+        return other
+
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -386,23 +399,13 @@ class KubeClient:
 
     # ---- the request core ----------------------------------------------------------------------------
 
-    def _backoff(self, rs: RetryCallState) -> float:
-        """Jittered exponential backoff; never shorter than the apiserver's Retry-After."""
-        n = rs.attempt_number
-        delay: float = min(self.config.backoff_cap, self.config.backoff_base * (2 ** (n - 1)))
+    def _backoff(self, attempt: int, exc: KubeError) -> float:
+        """Jittered exponential backoff after ``attempt`` failed; never shorter than the apiserver's Retry-After."""
+        delay = min(self.config.backoff_cap, self.config.backoff_base * 2.0 ** (attempt - 1))
         delay = delay * (0.5 + self._rng.random())  # "equal jitter": 0.5x .. 1.5x
-        exc = rs.outcome.exception() if rs.outcome is not None else None
-        if isinstance(exc, KubeError) and exc.retry_after is not None:
+        if exc.retry_after is not None:
             delay = max(delay, exc.retry_after * (1.0 + 0.1 * self._rng.random()))
         return delay
-
-    def _stop(self, rs: RetryCallState) -> bool:
-        # Give up when out of attempts or when the next sleep would overrun the call's deadline:
-        # a long Retry-After is better handled by the work queue than by parking the caller.
-        if rs.attempt_number >= self.config.max_attempts:
-            return True
-        elapsed = rs.seconds_since_start or 0.0
-        return elapsed + rs.upcoming_sleep > self.config.deadline
 
     async def _call(
         self,
@@ -459,32 +462,37 @@ class KubeClient:
         content_type: str,
         max_bytes: int | None,
     ) -> bytes:
-        """The response body of one API call, with the call-level retries; errors carry the request."""
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type((Transient, TooManyRequests)),
-            wait=self._backoff,
-            stop=self._stop,
-            sleep=self._clock.sleep,
-            reraise=True,
-            before_sleep=lambda rs: self._log_retry(rs, verb=verb, resource=resource, path=path),
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    data = await self._attempt(
-                        method,
-                        path,
-                        verb=verb,
-                        resource=resource,
-                        query=query,
-                        body=body,
-                        content_type=content_type,
-                        max_bytes=max_bytes,
-                    )
-        except KubeError as exc:
-            exc.for_request(verb, qualified, namespace)
-            raise
-        return data
+        """The response body of one API call. ``Transient`` and ``TooManyRequests`` are retried until
+        ``max_attempts`` or until the next wait would overrun the call's ``deadline``: a long Retry-After is
+        better handled by the work queue than by parking the caller. Errors carry the request."""
+        started = self._clock.now()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self._attempt(
+                    method,
+                    path,
+                    verb=verb,
+                    resource=resource,
+                    query=query,
+                    body=body,
+                    content_type=content_type,
+                    max_bytes=max_bytes,
+                )
+            except (Transient, TooManyRequests) as exc:
+                delay = self._backoff(attempt, exc)
+                if attempt >= self.config.max_attempts or self._clock.now() - started + delay > self.config.deadline:
+                    exc.for_request(verb, qualified, namespace)
+                    raise
+                API_RETRIES.labels(verb, resource, type(exc).__name__).inc()
+                log.debug(
+                    "kube api retry verb=%s path=%s attempt=%d sleep=%.3fs error=%r", verb, path, attempt, delay, exc
+                )
+                await self._clock.sleep(delay)
+            except KubeError as exc:
+                exc.for_request(verb, qualified, namespace)
+                raise
 
     async def discover(self, path: str) -> Raw:
         """GET a discovery document (``/version``, ``/apis/<group>``), with the same deadline and retries."""
@@ -508,18 +516,6 @@ class KubeClient:
         if decoded is None or not isinstance(decoded.value, dict) or decoded.cuts:
             raise Permanent(f"get {path}: not a bounded JSON object")
         return decoded.value
-
-    def _log_retry(self, rs: RetryCallState, *, verb: str, resource: str, path: str) -> None:
-        exc = rs.outcome.exception() if rs.outcome is not None else None
-        API_RETRIES.labels(verb, resource, type(exc).__name__).inc()
-        log.debug(
-            "kube api retry verb=%s path=%s attempt=%d sleep=%.3fs error=%r",
-            verb,
-            path,
-            rs.attempt_number,
-            rs.upcoming_sleep,
-            exc,
-        )
 
     async def _throttle(self) -> None:
         waited = await self._bucket.acquire()
@@ -570,7 +566,7 @@ class KubeClient:
         code = "error"
         start = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout):
+            async with self._in_flight, asyncio.timeout(timeout):
                 resp = await self._send(
                     method,
                     path,

@@ -1,6 +1,7 @@
 """Kubernetes Events (core/v1) on our objects, with client-side de-duplication and a spam filter.
 
-What it owns: turning "tell the user X happened to object O" into as few API writes as possible.
+What it owns: turning "tell the user X happened to object O" into as few API writes as possible, written
+on a budget of their own, so an Event never waits for or takes a token a reconcile needs.
 
 * ``EventCorrelator`` (pure, no I/O) decides per call: **create** a new Event, **patch** the existing one
   (the same object, type, reason and message seen within ``window`` seconds: its ``count`` goes up and
@@ -14,9 +15,16 @@ What it owns: turning "tell the user X happened to object O" into as few API wri
   before the patches of the same Event). Pending patches of one Event coalesce: the writer sends the
   newest count once. A patch that finds its Event gone (Events expire after an hour) re-creates it.
   ``flush()`` waits for the writes queued so far; ``aclose()`` flushes and stops the writer.
+* The sink the recorder writes through is the process's client with a token bucket of its own
+  (``KubeClient.with_own_budget``: the same connection pool and limits, as kube-scheduler and
+  controller-runtime give their Event clients), so a burst of Events queues behind its own budget, never in
+  front of a reconcile's writes.
+* An Event that is not written (its object over the spam budget, the writer's backlog full, the write
+  refused or failing) is counted by reason (``computedomain_events_dropped_total``) and told in **one
+  summary line per interval** (``summary_interval``, 60 s), never one line per Event.
 
 Concurrency: one recorder per process, used from the event loop thread; the correlator state is touched
-only synchronously, the writer is the single task doing I/O.
+only synchronously, the writer is the single task doing I/O, the summary a second task that only logs.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,6 +62,18 @@ EVENT_WRITES = Counter(
     "Kubernetes Event writes by action (create, patch, dropped, failed).",
     ["action"],
 )
+EVENT_DROPS = Counter(
+    "computedomain_events_dropped_total",
+    "Events not written, by reason (object_budget, backlog, write_failed).",
+    ["reason"],
+)
+
+# Why an Event was not written: the metric's label and the words of the summary line.
+DROP_REASONS = {
+    "object_budget": "over their object's Event budget (repeats are counted into its next write)",
+    "backlog": "the writer's backlog was full",
+    "write_failed": "the write failed",
+}
 
 MAX_MESSAGE = 1024
 
@@ -219,13 +240,20 @@ class EventRecorder:
         instance: str,
         correlator: EventCorrelator | None = None,
         max_pending: int = 1000,
+        summary_interval: float = 60.0,
+        clock: Clock | None = None,
     ) -> None:
         self._sink = sink
         self.component = component
         self.instance = instance
-        self._correlator = correlator or EventCorrelator()
+        self._clock: Clock = clock or MonotonicClock()
+        self._correlator = correlator or EventCorrelator(clock=self._clock)
         self._queue: asyncio.Queue[tuple[str, _Entry, Raw]] = asyncio.Queue(maxsize=max_pending)
         self._writer: asyncio.Task[None] | None = None
+        self.summary_interval = summary_interval
+        # Events not written since the last summary line, by reason (the detail of a failure: its HTTP reason).
+        self._dropped: Tally[tuple[str, str]] = Tally()
+        self._summary: asyncio.Task[None] | None = None
 
     def record(self, ref: ObjectRef, type_: EventType | str, reason: str, message: str) -> None:
         """Record an Event on ``ref``. Never raises and never waits; must be called on the event loop."""
@@ -237,17 +265,56 @@ class EventRecorder:
             if decision.action == "coalesce":
                 return
             if decision.action == "drop":
-                EVENT_WRITES.labels("dropped").inc()
+                self._drop("object_budget")
                 return
             body = self._body(ref, str(type_), reason, message, decision.entry)
-            self._queue.put_nowait((decision.action, decision.entry, body))
+            try:
+                self._queue.put_nowait((decision.action, decision.entry, body))
+            except asyncio.QueueFull:
+                # This write never happens: the next occurrence of the Event must queue one of its own.
+                decision.entry.pending = False
+                self._drop("backlog")
+                return
             if self._writer is None or self._writer.done():
                 self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="event-writer")
-        except asyncio.QueueFull:
-            EVENT_WRITES.labels("dropped").inc()
-            log.warning("event dropped (writer backlog full) reason=%s object=%s", reason, ref.key)
         except Exception:
             log.exception("event recording failed reason=%s object=%s", reason, ref.key)
+
+    def _drop(self, reason: str, detail: str = "") -> None:
+        """Count an Event that is not written; the summary line tells it within ``summary_interval``."""
+        EVENT_WRITES.labels("dropped" if reason != "write_failed" else "failed").inc()
+        EVENT_DROPS.labels(reason).inc()
+        self._dropped[(reason, detail)] += 1
+        if self._summary is None or self._summary.done():
+            self._summary = asyncio.get_running_loop().create_task(self._summarize(), name="event-drop-summary")
+
+    async def _summarize(self) -> None:
+        await self._clock.sleep(self.summary_interval)
+        self.log_dropped()
+
+    def log_dropped(self) -> None:
+        """The one line about the Events not written since the last one (nothing when there were none)."""
+        if not self._dropped:
+            return
+        by_reason: Tally[str] = Tally()
+        details: dict[str, Tally[str]] = {}
+        for (reason, detail), n in self._dropped.items():
+            by_reason[reason] += n
+            if detail:
+                details.setdefault(reason, Tally())[detail] += n
+        parts = []
+        for reason, n in by_reason.most_common():
+            more = details.get(reason)
+            extra = f" ({', '.join(f'{d}: {c}' for d, c in more.most_common(3))})" if more else ""
+            parts.append(f"{n} {DROP_REASONS.get(reason, reason)}{extra}")
+        total = sum(by_reason.values())
+        self._dropped.clear()
+        log.warning(
+            "%d Events not written in the last %.0fs: %s",
+            total,
+            self.summary_interval,
+            "; ".join(parts),
+        )
 
     def _body(self, ref: ObjectRef, type_: str, reason: str, message: str, entry: _Entry) -> Raw:
         return {
@@ -273,10 +340,12 @@ class EventRecorder:
                 await self._write(action, entry, body)
             except asyncio.CancelledError:
                 raise
+            except KubeError as exc:
+                log.debug("event write failed event=%s/%s error=%r", entry.namespace, entry.name, exc)
+                self._drop("write_failed", exc.reason or type(exc).__name__)
             except Exception as exc:
-                EVENT_WRITES.labels("failed").inc()
-                level = logging.INFO if isinstance(exc, KubeError) else logging.WARNING
-                log.log(level, "event write failed event=%s/%s error=%r", entry.namespace, entry.name, exc)
+                log.warning("event write failed event=%s/%s error=%r", entry.namespace, entry.name, exc)
+                self._drop("write_failed", type(exc).__name__)
             finally:
                 self._queue.task_done()
 
@@ -308,8 +377,12 @@ class EventRecorder:
         await self._queue.join()
 
     async def aclose(self) -> None:
-        """Flush, then stop the writer."""
+        """Flush, then stop the writer; what was not written is told now rather than at the interval."""
         if self._writer is not None and not self._writer.done():
             await self.flush()
             self._writer.cancel()
             await asyncio.wait({self._writer})
+        if self._summary is not None and not self._summary.done():
+            self._summary.cancel()
+            await asyncio.wait({self._summary})
+        self.log_dropped()

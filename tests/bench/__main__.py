@@ -9,6 +9,9 @@ were not there before; each benchmark removes what it created itself.
 Output: every figure's line as it is measured, the summary at the end, and in `--out` (default `.bench/`)
 `summary.txt`, `report.md` and `plots/`. `--smoke` runs each benchmark at a size of seconds (a handful of
 domains, a few nodes, one round): what `make test` runs to prove every `make bench*` target still works.
+`--apf` runs them on a control plane of its own (`.cluster-apf/`) whose apiserver has API Priority and
+Fairness on, as production clusters do, with the benchmarked controller as a ServiceAccount (classified as
+an in-cluster controller is); the default test bed has it off.
 
 A benchmark that fails prints one line (`bench NAME failed while <step>: <reason>`), the others still run,
 and the exit status is 1.
@@ -66,7 +69,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: all of {BENCHMARKS})")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: proves the benchmarks work")
     parser.add_argument("--out", type=Path, default=REPO / ".bench", help="report directory (default .bench/)")
-    parser.add_argument("--cluster", type=Path, default=DEFAULT_ROOT, help="cluster directory (default .cluster/)")
+    parser.add_argument("--cluster", type=Path, help="cluster directory (default .cluster/, with --apf .cluster-apf/)")
+    parser.add_argument("--apf", action="store_true",
+                        help="the apiserver with API Priority and Fairness on, the controller as a ServiceAccount")  # fmt: skip
     parser.add_argument("--no-plots", action="store_true", help="report without plots")
     args = parser.parse_args(argv)
     names = args.names or list(BENCHMARKS)
@@ -77,7 +82,8 @@ def main(argv: list[str]) -> int:
     sections: list[Section] = []
     started = time.monotonic()
     try:
-        with running_cluster(args.cluster) as local:
+        root = args.cluster or (DEFAULT_ROOT.with_name(".cluster-apf") if args.apf else DEFAULT_ROOT)
+        with running_cluster(root, priority_and_fairness=args.apf) as local:
             added = local.install_base()
             try:
                 for name in names:

@@ -11,10 +11,13 @@ each daemon's own clique entry (upserted NotReady, then Ready), standing in for 
 not labelled with the domain, so the DaemonSet itself starts no pods (2 cores cannot run the scheduler's
 DRA path for 1,000 pods as well; the 72-node benchmark runs that path for real).
 
-Figures: create burst -> every domain Ready (observed), per domain create -> Ready, last entry Ready ->
-CD Ready (the controller's reaction under load), API requests per domain lifecycle (create -> Ready ->
-delete -> gone, from the controller's metrics), controller RSS at the peak and after the deletes; series:
-domains Ready and controller RSS over time.
+Figures, each at the controller's shipped client limits and at a raised limit beside it (`BENCH_LIMITS`,
+`BENCH_QPS`; targets checked on the defaults): create burst -> every domain Ready (observed), per domain
+create -> Ready, last entry Ready -> CD Ready (the controller's reaction under load), API requests, writes,
+status writes and Events per domain lifecycle (create -> Ready -> delete -> gone, from the controller's
+metrics), controller RSS at the peak and after the deletes; series: domains Ready and controller RSS over
+time. The stand-in daemon pods are owned by a ConfigMap of the benchmark, so the DaemonSet controller does
+not adopt them (and delete them from nodes not labelled for the domain).
 """
 
 from __future__ import annotations
@@ -23,13 +26,23 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, DAEMONSETS, NODES, PODS, KubeClient, Raw
 from computedomain.kube.errors import Conflict, NotFound
 from computedomain.kube.informer import Informer
-from tests.bench.controller import ControllerProcess, delete_all, delete_pods, stand_in_daemon_pod
+from tests.bench.controller import (
+    ControllerProcess,
+    delete_all,
+    delete_pods,
+    lifecycle,
+    limits,
+    per_limits,
+    stand_in_daemon_pod,
+    stand_in_owner,
+)
 from tests.bench.figures import Figure, Series, Target
 from tests.bench.harness import Bench, cd_body, gather_limited, poll, wait_for
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION
@@ -38,14 +51,16 @@ from tests.testbed.sim.cluster import start_kwok, stop_kwok
 
 SIMULATED = "1,000 kwok nodes; daemon pods and clique entries written by the benchmark in place of daemons"
 RACK = 18
-WRITES = ("create", "update", "patch", "delete")
 
 
 class Fleet:
     """The stand-in daemons and the watch-driven milestones of one round."""
 
-    def __init__(self, client: KubeClient, driver_ns: str, cd_ns: str, nodes: list[str], per_domain: int) -> None:
+    def __init__(
+        self, client: KubeClient, driver_ns: str, cd_ns: str, nodes: list[str], per_domain: int, owner: dict[str, Any]
+    ) -> None:
         self.client = client
+        self.owner = owner
         self.driver_ns = driver_ns
         self.cd_ns = cd_ns
         self.nodes = nodes
@@ -95,7 +110,7 @@ class Fleet:
 
     async def _pod(self, uid: str, node: str) -> str:
         name = f"daemon-{uid[:8]}-{node}"
-        pod = stand_in_daemon_pod(name, self.driver_ns, uid, node)
+        pod = stand_in_daemon_pod(name, self.driver_ns, uid, node, self.owner)
         pod["spec"]["tolerations"] = [{"operator": "Exists"}]
         await self.client.create(PODS, pod)
         return name
@@ -131,27 +146,39 @@ def fleet_node(name: str, clique: str, kwok_value: str) -> dict[str, Any]:
 
 async def run(bench: Bench) -> None:
     section = bench.section
+    all_limits = limits()
     node_count = bench.size("BENCH_FLEET_NODES", 1000, 10)
     domains = bench.size("BENCH_FLEET_DOMAINS", 200, 2)
     rounds = bench.size("BENCH_ROUNDS", 3, 1)
     per_domain = max(1, node_count // domains)
-    section.note(f"{node_count} kwok nodes, {rounds} rounds of {domains} domains x {per_domain} nodes created at once")
-    converge = section.figure(Figure("converge", f"{domains} domains created at once -> all Ready observed",
-                                     simulated=SIMULATED))  # fmt: skip
-    per_cd = section.figure(Figure("per-domain", "per domain: create -> Ready observed", simulated=SIMULATED))
-    reaction = section.figure(Figure("reaction", "last entry Ready -> CD Ready, under load (both observed)",
-                                     target=Target("p99", 0.5, "p99 < 0.5 s"), simulated=SIMULATED))  # fmt: skip
-    requests = section.figure(Figure("requests", "controller API requests per domain lifecycle", unit="requests"))
-    writes = section.figure(Figure("writes", "of which writes (create, update, patch, delete)", unit="requests"))
-    rss_peak = section.figure(Figure("rss-peak", f"controller RSS, {domains} domains and their daemons cached",
-                                     unit="MiB", target=Target("max", 80, "< 80 MiB (SPEC: at 1,000 domains)")))  # fmt: skip
-    rss_after = section.figure(Figure("rss-after", "controller RSS after the deletes", unit="MiB"))
+    section.note(
+        f"{node_count} kwok nodes, {rounds} rounds of {domains} domains x {per_domain} nodes created at once, the "
+        f"controller at {' and at '.join(lim.label for lim in all_limits)} (targets: defaults)"
+    )
+
+    def fig(key: str, title: str, target: Target | None = None, **kw: Any) -> dict[str, Figure]:
+        return per_limits(section, all_limits, lambda lim: Figure(f"{key}-{lim.name}", lim.title(title),
+                                                                   target=lim.target(target) if target else None,
+                                                                   **kw))  # fmt: skip
+
+    figures = {
+        "converge": fig("converge", f"{domains} domains created at once -> all Ready observed", simulated=SIMULATED),
+        "per-domain": fig("per-domain", "per domain: create -> Ready observed", simulated=SIMULATED),
+        "reaction": fig("reaction", "last entry Ready -> CD Ready, under load (both observed)",
+                        Target("p99", 0.5, "p99 < 0.5 s"), simulated=SIMULATED),
+        "requests": fig("requests", "controller API requests per domain lifecycle, Events apart", unit="requests"),
+        "writes": fig("writes", "of which writes (create, update, patch, delete)", unit="requests"),
+        "status": fig("status", "of which status writes", unit="requests"),
+        "events": fig("events", "Events written per domain lifecycle", unit="events"),
+        "rss-peak": fig("rss-peak", f"controller RSS, {domains} domains and their daemons cached",
+                        Target("max", 80, "< 80 MiB (SPEC: at 1,000 domains)"), unit="MiB"),
+        "rss-after": fig("rss-after", "controller RSS after the deletes", unit="MiB"),
+    }  # fmt: skip
     client = await bench.client()
     driver_ns, cd_ns = await bench.namespace("fleet-drv"), await bench.namespace("fleet-cd")
     kwok_value = f"fleet-{bench.tag}"
     names = [f"fleet-{bench.tag}-{i:04d}" for i in range(node_count)]
     kwok = None
-    ctl = None
     try:
         with bench.step("starting kwok for the fleet's nodes"):
             kwok = await asyncio.to_thread(start_kwok, bench.local, kwok_value,
@@ -168,36 +195,27 @@ async def run(bench: Bench) -> None:
 
             await poll(all_ready, 300, f"{node_count} kwok nodes Ready", interval=1.0)
             section.note(f"{node_count} nodes created and Ready (kwok) in {time.monotonic() - t:.1f}s")
-        with bench.step("starting the controller"):
-            ctl = ControllerProcess(bench, driver_ns, cd_ns, "1000")
-            await ctl.ready()
+        owner = await stand_in_owner(client, driver_ns)
         memory = Series("memory", "controller RSS over the rounds", "MiB", xlabel="seconds since the first create")
         ready_series = Series("convergence", f"{domains} domains Ready over time", "domains Ready", simulated=SIMULATED)
-        t_first = time.monotonic()
-        for index in range(rounds):
-            with bench.step(f"round {index + 1}: {domains} domains to Ready and deleted"):
-                fleet, delta = await fleet_round(client, ctl, driver_ns, cd_ns, names, per_domain, domains, index,
-                                                 memory, t_first)  # fmt: skip
-            ok = [fleet.ready_at[u] - fleet.created[u] for u in fleet.created if u in fleet.ready_at]
-            failed = domains - len(ok)
-            per_cd.round(ok, failed)
-            if not failed:
-                converge.round([max(fleet.ready_at.values()) - fleet.t0])
-            reaction.round(
-                [fleet.ready_at[u] - fleet.last_entry_at[u] for u in fleet.ready_at if u in fleet.last_entry_at]
-            )
-            ready_series.curves[f"round {index + 1}"] = fleet.curve
-            rss_peak.round([fleet.rss_peak])
-            requests.round([sum(v for k, v in delta.items() if not k.startswith("watch")) / domains])
-            writes.round([sum(v for k, v in delta.items() if k.split()[0] in WRITES) / domains])
-            requests.note = "by verb and resource, last round: " + ", ".join(
-                f"{k}={v / domains:.2f}" for k, v in sorted(delta.items())
-            )
-            rss_after.round([ctl.rss_mib()])
+        for lim in all_limits:
+            f = {k: v[lim.name] for k, v in figures.items()}
+            with bench.step(f"{lim.name}: starting the controller"):
+                ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, await bench.controller_kubeconfig())
+            try:
+                await ctl.ready()
+                t_first = time.monotonic()
+                for index in range(rounds):
+                    with bench.step(f"{lim.name}, round {index + 1}: {domains} domains to Ready and deleted"):
+                        fleet, delta = await fleet_round(client, ctl, (driver_ns, cd_ns), names, per_domain, domains,
+                                                         f"{lim.name}-{index}", memory, t_first, owner)  # fmt: skip
+                    record(f, fleet, delta, domains)
+                    ready_series.curves[f"{lim.name}, round {index + 1}"] = fleet.curve
+                    f["rss-after"].round([ctl.rss_mib()])
+            finally:
+                ctl.stop()
         section.series += [ready_series, memory]
     finally:
-        if ctl is not None:
-            ctl.stop()
         with bench.step(f"deleting {node_count} kwok nodes"):
             listed = await client.list_all(NODES, label_selector=f"computedomain-fleet={kwok_value}")
             await gather_limited([_delete(client, NODES, n["metadata"]["name"]) for n in listed.items])
@@ -205,21 +223,43 @@ async def run(bench: Bench) -> None:
             stop_kwok(kwok)
 
 
+def record(f: dict[str, Figure], fleet: Fleet, delta: Counter[str], domains: int) -> None:
+    """One round's figures."""
+    ok = [fleet.ready_at[u] - fleet.created[u] for u in fleet.created if u in fleet.ready_at]
+    failed = domains - len(ok)
+    f["per-domain"].round(ok, failed)
+    if not failed:
+        f["converge"].round([max(fleet.ready_at.values()) - fleet.t0])
+    f["reaction"].round(
+        [fleet.ready_at[u] - fleet.last_entry_at[u] for u in fleet.ready_at if u in fleet.last_entry_at]
+    )
+    f["rss-peak"].round([fleet.rss_peak])
+    requests, writes, events = lifecycle(delta, domains)
+    f["requests"].round([requests])
+    f["writes"].round([writes])
+    f["status"].round([delta["update computedomains"] / domains])
+    f["events"].round([events])
+    f["requests"].note = "by verb and resource, last round: " + ", ".join(
+        f"{k}={v / domains:.2f}" for k, v in sorted(delta.items()) if not k.startswith("watch")
+    )
+
+
 async def fleet_round(
     client: KubeClient,
     ctl: ControllerProcess,
-    driver_ns: str,
-    cd_ns: str,
+    namespaces: tuple[str, str],
     names: list[str],
     per_domain: int,
     domains: int,
-    index: int,
+    index: str,
     memory: Series,
     t_first: float,
-) -> tuple[Fleet, dict[str, int]]:
+    owner: dict[str, Any],
+) -> tuple[Fleet, Counter[str]]:
     """Create `domains` domains at once, wait until all are Ready (or failed), delete them and their daemon
-    pods; returns the round's milestones and the controller's requests by verb and resource."""
-    fleet = Fleet(client, driver_ns, cd_ns, names, per_domain)
+    pods; returns the round's milestones and the controller's requests by verb and resource (Events too)."""
+    driver_ns, cd_ns = namespaces
+    fleet = Fleet(client, driver_ns, cd_ns, names, per_domain, owner)
     informers: list[tuple[Informer[Raw], Any]] = [
         (Informer(client, COMPUTE_DOMAINS, namespace=cd_ns, decode=lambda r: r), fleet.on_cd),
         (Informer(client, DAEMONSETS, namespace=driver_ns, decode=lambda r: r), fleet.on_daemonset),
@@ -233,7 +273,7 @@ async def fleet_round(
         while True:
             rss = ctl.rss_mib()
             fleet.rss_peak = max(fleet.rss_peak, rss)
-            memory.add(f"round {index + 1}", time.monotonic() - t_first, rss)
+            memory.add(index, time.monotonic() - t_first, rss)
             await asyncio.sleep(0.5)
 
     sampler = asyncio.create_task(sample())
@@ -250,7 +290,7 @@ async def fleet_round(
     try:
         for informer, _ in informers:
             await informer.has_synced()
-        before = ctl.requests()
+        before = ctl.requests(events=True)
         fleet.t0 = time.monotonic()
         await gather_limited([create(i) for i in range(domains)])
         with contextlib.suppress(TimeoutError):
@@ -259,8 +299,7 @@ async def fleet_round(
         await delete_all(client, cd_ns, within=600)
         await delete_pods(client, driver_ns)
         await asyncio.sleep(1.0)
-        after = ctl.requests()
-        return fleet, {k: after[k] - before[k] for k in after if after[k] - before[k] > 0}
+        return fleet, ctl.requests(events=True) - before
     finally:
         for task in [*tasks, sampler, *fleet.tasks]:
             task.cancel()

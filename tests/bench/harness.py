@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from computedomain.kube.client import (
@@ -47,6 +49,8 @@ class Bench:
         self.tag = uuid.uuid4().hex[:6]
         self._clients: list[KubeClient] = []
         self._namespaces: list[str] = []
+        self._bindings: list[str] = []
+        self._controller_kubeconfig: Path | None = None
 
     # -- sizes
 
@@ -74,6 +78,32 @@ class Bench:
         self._namespaces.append(name)
         return name
 
+    async def controller_kubeconfig(self) -> Path:
+        """The credentials the benchmarked controller runs with: on a control plane with API Priority and
+        Fairness a ServiceAccount's token (bound to cluster-admin), so its requests are classified as an
+        in-cluster controller's are (FlowSchema service-accounts, priority level workload-low); otherwise
+        the admin's (system:masters is exempt from APF, which is off there anyway)."""
+        if not self.local.priority_and_fairness:
+            return self.local.kubeconfig
+        if self._controller_kubeconfig is None:
+            ns = await self.namespace("sa")
+            name = "bench-controller"
+            binding = f"bench-controller-{self.tag}"
+            await asyncio.to_thread(self.local.kubectl, "create", "serviceaccount", name, "-n", ns)
+            self._bindings.append(binding)
+            await asyncio.to_thread(self.local.kubectl, "create", "clusterrolebinding", binding,
+                                    "--clusterrole=cluster-admin", f"--serviceaccount={ns}:{name}")  # fmt: skip
+            token = (await asyncio.to_thread(self.local.kubectl, "create", "token", name, "-n", ns,
+                                             "--duration=24h")).stdout.strip()  # fmt: skip
+            admin = json.loads(self.local.kubeconfig.read_text())
+            config = {**admin, "users": [{"name": name, "user": {"token": token}}],
+                      "contexts": [{"name": "testbed", "context": {"cluster": "testbed", "user": name}}]}  # fmt: skip
+            path = self.local.root / f"bench-controller-{self.tag}.kubeconfig"
+            path.write_text(json.dumps(config))
+            path.chmod(0o600)
+            self._controller_kubeconfig = path
+        return self._controller_kubeconfig
+
     @contextlib.contextmanager
     def step(self, what: str) -> Iterator[None]:
         previous, self.current = self.current, what
@@ -97,6 +127,13 @@ class Bench:
                 await release_finalizers(client, ns)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.local.delete_namespace, ns, wait=True)
+        for binding in self._bindings:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(
+                    self.local.kubectl, "delete", "clusterrolebinding", binding, "--ignore-not-found"
+                )
+        if self._controller_kubeconfig is not None:
+            self._controller_kubeconfig.unlink(missing_ok=True)
         for c in self._clients:
             await c.close()
         self._clients.clear()

@@ -134,8 +134,12 @@ class Component:
 
 
 class LocalCluster:
-    def __init__(self, root: Path = DEFAULT_ROOT) -> None:
+    def __init__(self, root: Path = DEFAULT_ROOT, *, priority_and_fairness: bool = False) -> None:
+        """`priority_and_fairness`: the apiserver with API Priority and Fairness on, as production clusters run
+        it (429 with Retry-After when a priority level's queues are full). Off by default, as the test bed always
+        ran: its tests and benchmarks are its only tenant."""
         self.root = root
+        self.priority_and_fairness = priority_and_fairness
         self.pki = root / "pki"
         self.logs = root / "logs"
         self.state_file = root / "state.json"
@@ -186,6 +190,8 @@ class LocalCluster:
         if state is None or not state.get("ready") or not all(_alive(pid) for pid in state["pids"].values()):
             return False
         if state.get("generation", 1) != CONFIG_GENERATION:
+            return False
+        if state.get("priority_and_fairness", False) != self.priority_and_fairness:
             return False
         deadline = time.monotonic() + patience
         while True:
@@ -242,7 +248,8 @@ class LocalCluster:
             self._down(quiet=True)
             raise
         self.state_file.write_text(json.dumps({"ports": ports, "pids": pids, "bin": str(bin_dir), "ready": True,
-                                               "generation": CONFIG_GENERATION}))  # fmt: skip
+                                               "generation": CONFIG_GENERATION,
+                                               "priority_and_fairness": self.priority_and_fairness}))  # fmt: skip
         log(f"cluster up in {time.monotonic() - start:.1f}s: {server}")
         return True
 
@@ -280,7 +287,7 @@ class LocalCluster:
                 # ConfigMaps bypass the watch cache, so tests can make a resourceVersion expire for real
                 # (compact etcd -> 410 Gone); nothing of this service watches ConfigMaps.
                 "--watch-cache-sizes=configmaps#0",
-                "--allow-privileged=true", "--enable-priority-and-fairness=false",
+                "--allow-privileged=true", f"--enable-priority-and-fairness={str(self.priority_and_fairness).lower()}",
                 "--v=1",
             ], f"https://127.0.0.1:{ports['apiserver']}/readyz"),
             Component("kube-controller-manager", [
@@ -473,9 +480,9 @@ def _terminate(pid: int, grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def running_cluster(root: Path = DEFAULT_ROOT) -> Iterator[LocalCluster]:
+def running_cluster(root: Path = DEFAULT_ROOT, *, priority_and_fairness: bool = False) -> Iterator[LocalCluster]:
     """A running cluster for the duration of the block; stopped afterwards only if this block started it."""
-    cluster = LocalCluster(root)
+    cluster = LocalCluster(root, priority_and_fairness=priority_and_fairness)
     started = cluster.up()
     try:
         yield cluster

@@ -138,3 +138,35 @@ def test_a_node_that_is_not_ready_is_lost() -> None:
     assert status.lost_nodes([decode_node(raw("False")), decode_node(raw("True"))]) == {
         "gb-1": "Ready=False since 2026-11-29T12:00:00Z: NodeStatusUnknown"
     }
+
+
+def test_only_more_progress_of_a_waiting_domain_may_wait_for_the_next_write() -> None:
+    cd = compute_domain()
+
+    def verdict(nodes: list[ComputeDomainNode], num_nodes: int) -> ComputeDomainStatus:
+        return status.build_status(cd, status.assess(nodes, num_nodes), nodes, NOW)
+
+    none_yet = verdict([], 3)
+    one = verdict([_node("a", "NotReady")], 3)
+    all_registered = verdict([_node("a"), _node("b", "NotReady"), _node("c", "NotReady")], 3)
+    two_ready = verdict([_node("a"), _node("b"), _node("c", "NotReady")], 3)
+    ready = verdict([_node("a"), _node("b"), _node("c")], 3)
+    # One more daemon registered or ready while the domain waits: progress.
+    assert status.is_progress(none_yet, one)
+    assert status.is_progress(one, all_registered)
+    assert status.is_progress(all_registered, two_ready)
+    # What someone waits for is never held: the first status, the flip to Ready and back.
+    assert not status.is_progress(None, one)
+    assert not status.is_progress(two_ready, ready)
+    assert not status.is_progress(ready, two_ready)
+    # A failure the controller reports, or a new generation of the spec, is no mere progress either.
+    stuck = status.build_status(cd, status.failure_verdict("Forbidden", "may not create daemonsets"), [], NOW)
+    assert not status.is_progress(one, stuck)
+    assert not status.is_progress(stuck, one)
+    newer = status.build_status(
+        cd.model_copy(update={"metadata": cd.metadata.model_copy(update={"generation": 2})}),
+        status.assess([_node("a"), _node("b", "NotReady")], 3),
+        [],
+        NOW,
+    )
+    assert not status.is_progress(one, newer)

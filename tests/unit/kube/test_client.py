@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import AsyncIterator
@@ -190,3 +191,60 @@ def test_resource_paths_validate_scope() -> None:
         PODS.path(name="p")
     with pytest.raises(ValueError, match="cluster-scoped"):
         NODES.path(namespace="ns", name="n")
+
+
+async def test_a_client_with_its_own_budget_never_takes_the_tokens_of_the_first(
+    api: tuple[FakeAPI, KubeClient],
+) -> None:
+    fake, base = api
+    clock = RecordingClock()
+    client = KubeClient(base._api, config=ClientConfig(qps=1, burst=2), clock=clock)
+    events = client.with_own_budget()
+    for _ in range(5):
+        await events.get(PODS, "e", namespace="ns")
+    assert len(clock.slept) == 3, "the second client waits on its own bucket (burst 2, then 1 per second)"
+    clock.slept.clear()
+    await client.get(PODS, "p", namespace="ns")
+    await client.get(PODS, "p", namespace="ns")
+    assert clock.slept == [], "the first client's burst is untouched by the other's writes"
+    await events.close()
+    await client.get(PODS, "p", namespace="ns")  # closing the other closed nothing
+    assert len(fake.requests) == 8
+
+
+async def test_requests_in_flight_are_bounded_and_the_rest_wait_their_turn() -> None:
+    in_flight, most = 0, 0
+    release, three = asyncio.Event(), asyncio.Event()
+
+    async def handle(request: web.Request) -> web.Response:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        if in_flight == 3:
+            three.set()
+        await release.wait()
+        in_flight -= 1
+        return web.json_response({"metadata": {"name": "x"}})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = KubeClient(
+        ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{port}")),
+        config=ClientConfig(qps=0, max_in_flight=3),
+    )
+    try:
+        calls = [asyncio.create_task(client.get(PODS, f"p{i}", namespace="ns")) for i in range(10)]
+        await three.wait()
+        await asyncio.sleep(0.1)  # time for the other seven to arrive, were they not held back
+        assert most == 3, "no more than max_in_flight requests reach the server at once"
+        release.set()
+        await asyncio.gather(*calls)
+        assert most == 3
+    finally:
+        await client.close()
+        await runner.cleanup()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -9,7 +11,7 @@ import pytest
 
 from computedomain.kube.client import COMPUTE_DOMAINS, EVENTS, NODES, Raw, Resource
 from computedomain.kube.clock import FakeClock
-from computedomain.kube.errors import NotFound, Transient
+from computedomain.kube.errors import Forbidden, NotFound, Transient
 from computedomain.kube.events import EventCorrelator, EventRecorder, EventType, ObjectRef
 
 pytestmark = pytest.mark.timeout(5)
@@ -197,3 +199,55 @@ def test_object_ref_for_namespaced_object() -> None:
         "namespace": "ns",
         "uid": "u",
     }
+
+
+class BlockedSink(FakeSink):
+    """A sink whose writes wait until released: the writer falls behind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
+        await self.release.wait()
+        return await super().create(resource, body, namespace=namespace)
+
+
+def drop_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "Events not written" in r.getMessage()]
+
+
+async def test_events_beyond_the_backlog_are_told_in_one_line_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    sink = BlockedSink()
+    rec = EventRecorder(sink, component="c", instance="i", max_pending=3, summary_interval=60.0, clock=clock)
+    refs = [ObjectRef(kind="ComputeDomain", api_version="v", name=f"cd{i}", namespace="ns") for i in range(50)]
+    for ref in refs:
+        rec.record(ref, EventType.NORMAL, "Ready", "ready")
+    await clock.settle()
+    assert drop_lines(caplog) == [], "nothing is said before the interval ends"
+    await clock.advance(60.0)
+    # Three were queued before the writer ran (and it still waits on the first): 47 were not written.
+    assert drop_lines(caplog) == ["47 Events not written in the last 60s: 47 the writer's backlog was full"]
+    sink.release.set()
+    await rec.flush()
+    assert len(sink.calls) == 3
+    rec.record(refs[-1], EventType.NORMAL, "Ready", "ready")
+    await rec.flush()
+    assert sink.calls[-1][2]["involvedObject"]["name"] == "cd49", "a dropped Event is written at its next occurrence"
+    await clock.advance(60.0)
+    assert len(drop_lines(caplog)) == 1, "no line for an interval without drops"
+    await rec.aclose()
+
+
+async def test_failed_writes_are_summed_up_by_reason_not_logged_one_by_one(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    sink = FakeSink()
+    rec = EventRecorder(sink, component="c", instance="i", summary_interval=60.0, clock=clock)
+    sink.fail_next = [Forbidden("events is forbidden", status=403) for _ in range(20)]
+    for i in range(20):
+        rec.record(ObjectRef(kind="ComputeDomain", api_version="v", name=f"cd{i}"), EventType.NORMAL, "Ready", "x")
+    await rec.flush()
+    assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+    await rec.aclose()
+    assert drop_lines(caplog) == ["20 Events not written in the last 60s: 20 the write failed (Forbidden: 20)"]
