@@ -2,13 +2,13 @@
 
 What it owns:
 
-* loading credentials (a kubeconfig path, the in-cluster service account, or the default kubeconfig) through
-  kubernetes_asyncio's config loaders, and one pooled aiohttp session (kubernetes_asyncio's ``ApiClient``);
+* one ``transport.Transport`` (keep-alive HTTP/1.1 connections to the apiserver) built from the credentials
+  ``config.load`` finds (a kubeconfig path, the in-cluster service account, or the default kubeconfig);
 * raw JSON requests for any resource path (``Resource`` says where a kind lives): get, list with selectors and
   pagination, create, replace (also of a subresource), merge and JSON patch, delete with a UID precondition,
   and streaming watch. Callers get the decoded JSON and turn it into a pydantic model or a small frozen
-  projection themselves. Generated kubernetes_asyncio models are never built: they are 16-25x slower to
-  decode;
+  projection themselves. No generated client models: they are 16-25x slower to decode and their import alone
+  costs a process 60 MiB;
 * a client-side token bucket (QPS/burst), a deadline on every attempt and on the whole call, and the single
   call-level retry loop (tenacity): ``Transient`` and ``TooManyRequests`` are retried with jittered
   exponential backoff, honouring ``Retry-After``; ``NotFound``, ``Conflict``, ``Gone`` and ``Permanent`` are
@@ -26,24 +26,20 @@ an async generator that owns its HTTP response; closing the generator (``aclose`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
 import random
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-import aiohttp
-from kubernetes_asyncio.client import ApiClient, Configuration
-from kubernetes_asyncio.config import load_incluster_config, load_kube_config
 from prometheus_client import Counter, Histogram
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
+from computedomain.kube import config as kube_config
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import (
     KubeError,
@@ -54,6 +50,7 @@ from computedomain.kube.errors import (
     error_from_status,
 )
 from computedomain.kube.ratelimit import TokenBucket
+from computedomain.kube.transport import StreamResponse, Transport
 
 __all__ = [
     "COMPUTE_DOMAINS",
@@ -245,17 +242,17 @@ class ClientConfig:
 
 
 _JSON = "application/json"
-# Object bodies (create, replace) go out as compact JSON under the YAML media type (JSON is YAML). Why:
-# kubernetes_asyncio re-encodes anything sent as JSON with `json.dumps` defaults (", " and ": "), and the
-# apiserver stores embedded raw fields (the opaque device configs of ResourceClaimTemplates) byte for byte.
-# The server re-encodes them compactly on every later write, so a spaced original makes the immutable spec
-# look changed and even a metadata-only patch is refused ("spec: field is immutable"). The YAML path hands
-# our bytes through untouched and the server converts them to compact JSON.
-_OBJECT_BODY = "application/yaml"
+# Bodies go out as compact JSON: the apiserver stores embedded raw fields (the opaque device configs of
+# ResourceClaimTemplates) byte for byte and re-encodes them compactly on every later write, so a spaced
+# original would make the immutable spec look changed and even a metadata-only patch would be refused
+# ("spec: field is immutable").
 _MERGE_PATCH = "application/merge-patch+json"
 _JSON_PATCH = "application/json-patch+json"
+_APPLY_PATCH = "application/apply-patch+yaml"  # server-side apply; JSON is YAML
 
 Query: TypeAlias = list[tuple[str, str]]
+#: the longest watch event line accepted (an object is at most ~1.5 MiB in etcd)
+_MAX_WATCH_EVENT = 16 * 1024 * 1024
 
 
 def _list_query(
@@ -280,10 +277,6 @@ def _list_query(
     return q
 
 
-def _default_kubeconfig() -> str:
-    return str(Path.home() / ".kube" / "config")
-
-
 def _name_ns(resource: Resource, body: Mapping[str, Any], namespace: str | None) -> tuple[str, str | None]:
     meta = body.get("metadata") or {}
     name = str(meta.get("name") or "")
@@ -296,19 +289,19 @@ class KubeClient:
 
     def __init__(
         self,
-        api_client: ApiClient,
+        transport: Transport,
         *,
         config: ClientConfig | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self._api = api_client
+        self._transport = transport
         self.config = config or ClientConfig()
         self._clock: Clock = clock or MonotonicClock()
         self._bucket = TokenBucket(self.config.qps, self.config.burst, clock=self._clock)
         # Only for retry jitter; injectable so tests are deterministic.
         self._rng = rng or random.Random()
-        self._api.user_agent = self.config.user_agent
+        self._transport.user_agent = self.config.user_agent
         self._closed = False
 
     # ---- construction --------------------------------------------------------------------------------
@@ -336,24 +329,17 @@ class KubeClient:
         """Load credentials and open a client.
 
         ``kubeconfig`` wins; otherwise the in-cluster service account when running in a pod
-        (``KUBERNETES_SERVICE_HOST`` set); otherwise ``$KUBECONFIG`` or ``~/.kube/config``.
+        (``KUBERNETES_SERVICE_HOST`` set); otherwise ``$KUBECONFIG`` or ``~/.kube/config``. A file that cannot
+        be used raises ``kube.config.ConfigError`` naming the file and the field.
         """
-        cfg = Configuration()
-        if kubeconfig is not None:
-            await load_kube_config(
-                config_file=str(kubeconfig), context=context, client_configuration=cfg, persist_config=False
-            )
-        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-            load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        else:
-            path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or _default_kubeconfig()
-            await load_kube_config(config_file=path, context=context, client_configuration=cfg, persist_config=False)
-        return cls(ApiClient(configuration=cfg), config=config, clock=clock)
+        creds = kube_config.load(kubeconfig, context=context)
+        transport = Transport(creds.endpoint, ssl_context=creds.ssl_context, auth=creds.token)
+        return cls(transport, config=config, clock=clock)
 
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
-            await self._api.close()
+            await self._transport.close()
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -363,7 +349,7 @@ class KubeClient:
 
     @property
     def host(self) -> str:
-        return str(self._api.configuration.host)
+        return self._transport.endpoint.url
 
     # ---- the request core ----------------------------------------------------------------------------
 
@@ -445,32 +431,15 @@ class KubeClient:
         if waited:
             RATE_LIMIT_WAIT.observe(waited)
 
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        query: Query | None,
-        body: Any,
-        content_type: str,
-        client_timeout: aiohttp.ClientTimeout,
-    ) -> aiohttp.ClientResponse:
-        if method in ("POST", "PUT") and content_type == _JSON and isinstance(body, dict):
-            body, content_type = json.dumps(body, separators=(",", ":")).encode(), _OBJECT_BODY
-        headers = {"Accept": _JSON, "Content-Type": content_type, **self.config.extra_headers}
-        # _preload_content=False: kubernetes_asyncio hands back the aiohttp response untouched
-        # (no status check, no model deserialization); we decode the JSON ourselves.
-        resp: aiohttp.ClientResponse = await self._api.call_api(
-            path,
-            method,
-            query_params=query or [],
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-            _preload_content=False,
-            _request_timeout=client_timeout,
-        )
-        return resp
+    def _target(self, path: str, query: Query | None) -> str:
+        return f"{path}?{urlencode(query)}" if query else path
+
+    def _body(self, body: Any, content_type: str) -> tuple[bytes | None, list[tuple[str, str]]]:
+        headers = [("Accept", _JSON), *self.config.extra_headers.items()]
+        if body is None:
+            return None, headers
+        data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+        return data, [*headers, ("Content-Type", content_type)]
 
     async def _attempt(
         self,
@@ -487,29 +456,20 @@ class KubeClient:
         timeout = self.config.timeout
         code = "error"
         start = time.perf_counter()
+        data, headers = self._body(body, content_type)
         try:
-            async with asyncio.timeout(timeout):
-                resp = await self._send(
-                    method,
-                    path,
-                    query=query,
-                    body=body,
-                    content_type=content_type,
-                    client_timeout=aiohttp.ClientTimeout(total=timeout),
-                )
-                try:
-                    data = await resp.read()
-                finally:
-                    resp.release()
+            resp = await self._transport.request(
+                method, self._target(path, query), headers=headers, body=data, within=timeout
+            )
             code = str(resp.status)
             if resp.status >= 400:
-                raise error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
-            return data
+                raise error_from_response(resp.status, resp.body, retry_after_header=resp.headers.get("retry-after"))
+            return resp.body
         except KubeError:
             raise
         except TimeoutError as exc:
             raise Transient(f"{verb} {path}: no response within {timeout:g}s", reason="Timeout") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise Transient(f"{verb} {path}: {type(exc).__name__}: {exc}", reason="ConnectionError") from exc
         finally:
             API_REQUESTS.labels(verb, resource, code).inc()
@@ -706,20 +666,20 @@ class KubeClient:
         if timeout_seconds is not None:
             query.append(("timeoutSeconds", str(timeout_seconds)))
         idle = inactivity_timeout or self.config.watch_inactivity_timeout
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.config.timeout, sock_connect=self.config.timeout, sock_read=idle
-        )
         path = resource.path(namespace=namespace)
         await self._throttle()
         code = "error"
         start = time.perf_counter()
+        _, headers = self._body(None, _JSON)
+        resp: StreamResponse
         try:
-            async with asyncio.timeout(self.config.timeout):
-                resp = await self._send("GET", path, query=query, body=None, content_type=_JSON, client_timeout=timeout)
+            resp = await self._transport.stream(
+                "GET", self._target(path, query), headers=headers, within=self.config.timeout
+            )
             code = str(resp.status)
         except TimeoutError as exc:
             raise Transient(f"watch {path}: no response within {self.config.timeout:g}s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise Transient(f"watch {path}: {type(exc).__name__}: {exc}") from exc
         finally:
             API_REQUESTS.labels("watch", resource.plural, code).inc()
@@ -728,24 +688,26 @@ class KubeClient:
         try:
             if resp.status >= 400:
                 data = await resp.read()
-                error = error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
+                error = error_from_response(resp.status, data, retry_after_header=resp.headers.get("retry-after"))
                 raise error.for_request("watch", resource.qualified, namespace)
             buf = bytearray()
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.chunks(idle):
                 buf += chunk
                 while (nl := buf.find(b"\n")) >= 0:
                     line = bytes(buf[:nl])
                     del buf[: nl + 1]
                     if line.strip():
                         yield _watch_event(line)
+                if len(buf) > _MAX_WATCH_EVENT:
+                    raise Transient(f"watch {path}: an event longer than {_MAX_WATCH_EVENT} bytes")
             if buf.strip():
                 yield _watch_event(bytes(buf))
         except TimeoutError as exc:
             raise Transient(f"watch {path}: silent for {idle:g}s", reason="Timeout") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise Transient(f"watch {path}: {type(exc).__name__}: {exc}", reason="ConnectionError") from exc
         finally:
-            resp.close()
+            resp.aclose()
 
 
 def _watch_event(line: bytes) -> WatchEvent:

@@ -42,10 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from aiohttp import web
-
 from computedomain.api.constants import DRIVER_NAME
-from computedomain.http import EndpointError, start_http
+from computedomain.http import EndpointError, HttpServer, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.converge import Retries
 from computedomain.kube.events import EventRecorder
@@ -301,7 +299,7 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
     failure is one `error: ...` line on stderr). Installs no signal handlers: the caller owns `stop`
     (`main`: SIGTERM/SIGINT; the test bed's pod host: the container's stop)."""
     client = await KubeClient.for_component(settings, field_manager=COMPONENT)
-    http: web.AppRunner | None = None
+    http: HttpServer | None = None
     try:
         agent = NodeAgent(settings, client, make_discovery(settings))
         try:
@@ -324,7 +322,7 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
         await client.close()
 
 
-async def _start_http(settings: PluginSettings, agent: NodeAgent) -> web.AppRunner:
+async def _start_http(settings: PluginSettings, agent: NodeAgent) -> HttpServer:
     try:
         return await start_http(
             settings.http_endpoint, metrics_path=settings.metrics_path, readiness=agent.readiness_report

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
-from computedomain.api.models import ReadyStatus, clique_name
+from computedomain.api.types import ReadyStatus, clique_name
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient, Raw, Resource
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import Conflict, NotFound

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
 from computedomain.api.limits import brief
-from computedomain.api.models import clique_name
+from computedomain.api.types import clique_name
 from computedomain.settings import (
     CommonSettings,
     FeatureGate,
