@@ -9,8 +9,9 @@ start-up, in order (each failure is one line on stderr and a non-zero exit; noth
      (if not: run, publish no devices, say why; never crash-loop);
   3. the checkpoint: boot-ID rule, and a corrupt file stops the agent with the fix in the message;
   4. the Kubernetes client, the ComputeDomain (and clique) caches, the Preparer;
-  5. gRPC: DRA socket first, then registration (the kubelet must never learn an endpoint that does not
-     listen yet), health on TCP (the pod IP when POD_IP is set, else every address);
+  5. gRPC: DRA socket first (with the kubelet's device health stream: `health`), then registration (the
+     kubelet must never learn an endpoint that does not listen yet), health on TCP (the pod IP when POD_IP is
+     set, else every address);
   6. background work, each on a one-key convergence loop (`kube.converge`: backoff, one warning when it
      keeps failing): ResourceSlice publishing, clique refresh (and the `nvidia.com/gpu.clique` label),
      startup + periodic cleanup;
@@ -59,12 +60,13 @@ from computedomain.plugin.clique_label import CliqueLabeler, NodeHardware
 from computedomain.plugin.collaborators import HostCheck
 from computedomain.plugin.domains import DaemonReadinessWatch, DomainCache
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
+from computedomain.plugin.health import HealthReports, HostState
 from computedomain.plugin.node_labels import NodeLabels
 from computedomain.plugin.prepare import Preparer, PreparerConfig
 from computedomain.plugin.resourceslice import SlicePublisher, published_devices
 from computedomain.settings import FeatureGate, PluginSettings
 from imex.discovery import HardwareDiscovery, HardwareError, check_driver_for_dns_names
-from imex.host_check import check_host_imex_ready
+from imex.host_check import HostCheckError, check_host_imex_ready
 from imex.nvml import nvml_discovery
 
 log = logging.getLogger(__name__)
@@ -177,9 +179,14 @@ class NodeAgent:
         return not problems, {"ready": not problems, "node": self.settings.node_name, "problems": problems}
 
     async def _host_check(self) -> None:
-        await check_host_imex_ready(
-            driver_root=Path(self.settings.driver_root_mount), socket_path=self.settings.imex_host_socket_path
-        )
+        try:
+            await check_host_imex_ready(
+                driver_root=Path(self.settings.driver_root_mount), socket_path=self.settings.imex_host_socket_path
+            )
+        except HostCheckError as exc:
+            self.server.device_health.note_host_check(HostState(ready=False, detail=str(exc)))
+            raise
+        self.server.device_health.note_host_check(HostState(ready=True, detail="READY"))
 
     def prepare_startup(self) -> None:
         """Steps 1-3 of the module docstring (blocking; raises StartupError)."""
@@ -211,6 +218,12 @@ class NodeAgent:
         except (CheckpointError, OSError) as exc:
             raise StartupError(f"cannot open the checkpoint in {self.plugin_dir}: {exc}") from None
         devices = published_devices(host_managed=settings.host_managed, imex_supported=no_imex is None)
+        self.server.device_health = HealthReports(
+            [d.name for d in devices],
+            pool=settings.node_name,
+            host_managed=settings.host_managed,
+            imex_problem=self.hardware.imex_support,
+        )
         self.publisher = SlicePublisher(
             self.client,
             node_name=settings.node_name,
