@@ -5,20 +5,21 @@ before the last colon both work) and a small HTTP/1.1 server on the caller's eve
 framing by `h11`, as the API client's transport). It answers GET (and HEAD) of three paths and nothing else:
 the metrics are the process-wide prometheus-client registry, rendered at scrape time; `/healthz` answers while
 the event loop does; `/readyz` is served only when the caller passes a readiness function (`(ready, details)`:
-200 or 503 with the details as JSON). Requests are bounded (headers 16 KiB, no bodies) and a connection that
+200 or 503 with the details as JSON); a caller may add paths of its own (the IMEX daemon's `/ready`). Requests are bounded (headers 16 KiB, no bodies) and a connection that
 sends nothing for `IDLE_TIMEOUT_S` is closed, so a scraper cannot hold the loop.
 
-Used by the controller (with `/readyz`: ready once caches synced, with the leadership state) and the node
-agent.
+Used by the controller (with `/readyz`: ready once caches synced, with the leadership state), the node agent
+and the IMEX daemon wrapper (only `/healthz` and its probe's `/ready`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import h11
@@ -37,7 +38,9 @@ Readiness = Callable[[], tuple[bool, Mapping[str, Any]]]
 IDLE_TIMEOUT_S: Final = 30.0
 _MAX_HEADERS: Final = 16 * 1024
 
-Handler = Callable[[], tuple[int, str, bytes]]
+Answer = tuple[int, str, bytes]
+#: a route's handler: (status, content type, body), computed now (a coroutine is awaited)
+Handler = Callable[[], Answer | Awaitable[Answer]]
 
 
 class HttpServer:
@@ -99,7 +102,8 @@ class HttpServer:
             elif handler is None:
                 status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
             else:
-                status, ctype, body = handler()
+                answer = handler()
+                status, ctype, body = await answer if inspect.isawaitable(answer) else answer
             headers = [("Content-Type", ctype), ("Content-Length", str(len(body)))]
             out = conn.send(h11.Response(status_code=status, headers=headers)) or b""
             if method != "HEAD":
@@ -124,21 +128,22 @@ async def start_http(
     metrics_path: str,
     readiness: Readiness | None = None,
     registry: CollectorRegistry = REGISTRY,
+    routes: Mapping[str, Handler] | None = None,
 ) -> HttpServer:
-    """Serve until `await server.cleanup()`. An empty metrics_path serves no metrics."""
+    """Serve until `await server.cleanup()`. An empty metrics_path serves no metrics; `routes` adds paths."""
     host, port = parse_endpoint(endpoint)
-    routes: dict[str, Handler] = {"/healthz": lambda: (200, "text/plain; charset=utf-8", b"ok\n")}
+    served: dict[str, Handler] = {"/healthz": lambda: (200, "text/plain; charset=utf-8", b"ok\n"), **(routes or {})}
     if metrics_path:
-        routes[metrics_path] = lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry))
+        served[metrics_path] = lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry))
     if readiness is not None:
         ready_fn = readiness
 
-        def readyz() -> tuple[int, str, bytes]:
+        def readyz() -> Answer:
             ready, details = ready_fn()
             return 200 if ready else 503, "application/json", json.dumps(dict(details)).encode()
 
-        routes["/readyz"] = readyz
-    server = HttpServer(routes)
+        served["/readyz"] = readyz
+    server = HttpServer(served)
     await server.start(host, port)
     log.info("http serving endpoint=%s:%d metrics=%s", host, port, metrics_path or "(off)")
     return server
