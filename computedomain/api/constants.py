@@ -28,4 +28,6 @@ IMEX_PEER_PORT: Final = 50000
 IMEX_COMMAND_PORT: Final = 50005
 MAX_NODES_PER_IMEX_DOMAIN: Final = 18
 HEALTH_PORT: Final = 51515
+# Ours: where the IMEX daemon wrapper answers its pod's probes (GET /ready on the pod IP).
+DAEMON_CHECK_PORT: Final = 8080
 DEFAULT_HOST_SOCKET_PATH: Final = "/etc/nvidia-imex/imex_ctrl.sock"

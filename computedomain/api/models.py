@@ -16,35 +16,21 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import datetime
-from enum import StrEnum
-from typing import Annotated, Any, Final, Literal, NewType
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.limits import brief
 
-CdUid = NewType("CdUid", str)
-NodeName = NewType("NodeName", str)
-CliqueId = NewType("CliqueId", str)
-
-
-class AllocationMode(StrEnum):
-    SINGLE = "Single"
-    ALL = "All"
-
-
-class ReadyStatus(StrEnum):
-    """Used for the domain as a whole and for each daemon entry."""
-
-    READY = "Ready"
-    NOT_READY = "NotReady"
-
-
-class ConditionStatus(StrEnum):
-    TRUE = "True"
-    FALSE = "False"
-    UNKNOWN = "Unknown"
+# The plain types live in `types`, which needs no pydantic; they are re-exported here.
+from computedomain.api.types import AllocationMode as AllocationMode
+from computedomain.api.types import CdUid as CdUid
+from computedomain.api.types import CliqueId as CliqueId
+from computedomain.api.types import ConditionStatus as ConditionStatus
+from computedomain.api.types import NodeName as NodeName
+from computedomain.api.types import ReadyStatus as ReadyStatus
+from computedomain.api.types import clique_name as clique_name
 
 
 def _listmap(*keys: str) -> dict[str, Any]:
@@ -190,11 +176,6 @@ class ComputeDomainClique(_ApiModel):
     def domain_uid(self) -> str:
         """The domain it belongs to: its CD label, else the `<cdUID>` part of its name."""
         return self.metadata.labels.get(COMPUTE_DOMAIN_LABEL) or self.metadata.name.partition(".")[0]
-
-
-def clique_name(cd_uid: str, clique_id: str) -> str:
-    """`<cdUID>.<cliqueID>`: the ComputeDomainClique of one domain and one NVLink clique."""
-    return f"{cd_uid}.{clique_id}"
 
 
 # --- Opaque device configs -----------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from aiohttp import web
 from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -38,7 +37,7 @@ from computedomain.controller import adoption, guard
 from computedomain.controller.caches import Caches
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
 from computedomain.controller.report import DomainReporter
-from computedomain.http import start_http
+from computedomain.http import HttpServer, start_http
 from computedomain.kube.client import KubeClient
 from computedomain.kube.converge import Converger, Retries
 from computedomain.kube.events import EventRecorder
@@ -273,7 +272,7 @@ async def main(settings: ControllerSettings, *, cd_namespace: str | None = None)
     log.info("starting controller settings=%s", json.dumps(settings_line, default=str, sort_keys=True))
     client = await KubeClient.for_component(settings, field_manager="computedomain-controller")
     controller = Controller(settings, client, cd_namespace=cd_namespace)
-    runner: web.AppRunner | None = None
+    runner: HttpServer | None = None
     try:
         await require_supported(client, "the controller")
         if settings.http_endpoint:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL
+from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, DAEMON_CHECK_PORT
 from computedomain.api.models import ComputeDomain
 from computedomain.controller.claim_templates import daemon_object_name
 from computedomain.settings import ControllerSettings
@@ -38,8 +38,11 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 
 
 def _probe(period: int, failures: int) -> dict[str, Any]:
+    # Answered by the daemon wrapper itself (`imex daemon run` serves GET /ready: `check`'s verdict, 200 only on
+    # exactly READY): an nvidia-imex-ctl exec per probe instead of a fresh Python (`CHECK_COMMAND`, kept for
+    # people), which cost ~0.1-0.2 CPU s a probe and timed out on loaded nodes.
     return {
-        "exec": {"command": list(CHECK_COMMAND)},
+        "httpGet": {"path": "/ready", "port": DAEMON_CHECK_PORT},
         "initialDelaySeconds": 0,
         "periodSeconds": period,
         "timeoutSeconds": 10,
@@ -68,6 +71,7 @@ def daemon_env(
         {"name": "FEATURE_GATES", "value": settings.feature_gates.render()},
         {"name": "LOG_LEVEL", "value": settings.daemon_log_level},
         {"name": "MAX_NODES_PER_IMEX_DOMAIN", "value": str(settings.max_nodes_per_imex_domain)},
+        {"name": "CHECK_PORT", "value": str(DAEMON_CHECK_PORT)},
         # Keep the NVIDIA container runtime from injecting every GPU into the daemon (upstream #402).
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
     ]

@@ -44,6 +44,7 @@ from prometheus_client import Counter
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainStatus
+from computedomain.api.types import index_lock, index_locks
 from computedomain.controller import adoption, cleanup, daemonset, nodes, status
 from computedomain.controller.caches import Caches
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, decode_child, decode_pod
@@ -264,7 +265,13 @@ class Writer:
         kept = [d for d in daemons if not (isinstance(d, dict) and d.get("nodeName") in gone)]
         if len(kept) == len(daemons):
             return Pruned(ComputeDomainClique.model_validate(raw), pods)
-        written = await self.client.replace(COMPUTE_DOMAIN_CLIQUES, {**raw, "daemons": kept}, namespace=ns)
+        # The slot locks of the pruned entries go with them, so a newcomer need not take them over.
+        meta = dict(raw.get("metadata") or {})
+        stale = {index_lock(i) for i, node in index_locks(meta.get("annotations")).items() if node in gone}
+        meta["annotations"] = {k: v for k, v in (meta.get("annotations") or {}).items() if k not in stale}
+        written = await self.client.replace(
+            COMPUTE_DOMAIN_CLIQUES, {**raw, "metadata": meta, "daemons": kept}, namespace=ns
+        )
         removed = ", ".join(sorted(gone & {str(d.get("nodeName")) for d in daemons if isinstance(d, dict)}))
         log.info("pruned stale clique entries cd=%s clique=%s/%s nodes=%s", _name(cd), ns, name, removed)
         self.event(

@@ -1,6 +1,6 @@
 """The error taxonomy of the Kubernetes I/O layer.
 
-Callers outside ``computedomain.kube`` never see aiohttp or kubernetes_asyncio exceptions: every failed API
+Callers outside ``computedomain.kube`` never see transport exceptions: every failed API
 call surfaces as one of the classes below, built from the apiserver's ``Status`` body so that the message a
 user reads is the apiserver's own (for a 422 it names the offending field, e.g.
 ``spec.numNodes: Invalid value: -1: ...``).

@@ -10,8 +10,9 @@ start-up, in order (each failure is one line on stderr and a non-zero exit; noth
   3. the checkpoint: the reference driver's file at the same path is taken over, a file that cannot be read is
      moved aside (a Warning Event on the Node and an error line name it: never a crash loop), boot-ID rule;
   4. the Kubernetes client, the ComputeDomain (and clique) caches, the Preparer;
-  5. gRPC: DRA socket first, then registration (the kubelet must never learn an endpoint that does not
-     listen yet), health on TCP (the pod IP when POD_IP is set, else every address);
+  5. gRPC: DRA socket first (with the kubelet's device health stream: `health`), then registration (the
+     kubelet must never learn an endpoint that does not listen yet), health on TCP (the pod IP when POD_IP is
+     set, else every address);
   6. background work, each on a one-key convergence loop (`kube.converge`: backoff, one warning when it
      keeps failing): ResourceSlice publishing, clique refresh (and the `nvidia.com/gpu.clique` label),
      startup + periodic cleanup;
@@ -43,10 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from aiohttp import web
-
 from computedomain.api.constants import DRIVER_NAME
-from computedomain.http import EndpointError, start_http
+from computedomain.http import EndpointError, HttpServer, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.converge import Retries
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
@@ -64,13 +63,14 @@ from computedomain.plugin.collaborators import HostCheck
 from computedomain.plugin.daemon_owner import KubeDaemonPods
 from computedomain.plugin.domains import DaemonReadinessWatch, DomainCache
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
+from computedomain.plugin.health import HealthReports, HostState
 from computedomain.plugin.metrics import Instrumented, NodeState, watch_node
 from computedomain.plugin.node_labels import NodeLabels
 from computedomain.plugin.prepare import Preparer, PreparerConfig
 from computedomain.plugin.resourceslice import SlicePublisher, published_devices
 from computedomain.settings import FeatureGate, PluginSettings
 from imex.discovery import HardwareDiscovery, HardwareError, check_driver_for_dns_names
-from imex.host_check import check_host_imex_ready
+from imex.host_check import HostCheckError, check_host_imex_ready
 from imex.nvml import nvml_discovery
 
 log = logging.getLogger(__name__)
@@ -194,9 +194,14 @@ class NodeAgent:
         return not problems, {"ready": not problems, "node": self.settings.node_name, "problems": problems}
 
     async def _host_check(self) -> None:
-        await check_host_imex_ready(
-            driver_root=Path(self.settings.driver_root_mount), socket_path=self.settings.imex_host_socket_path
-        )
+        try:
+            await check_host_imex_ready(
+                driver_root=Path(self.settings.driver_root_mount), socket_path=self.settings.imex_host_socket_path
+            )
+        except HostCheckError as exc:
+            self.server.device_health.note_host_check(HostState(ready=False, detail=str(exc)))
+            raise
+        self.server.device_health.note_host_check(HostState(ready=True, detail="READY"))
 
     def prepare_startup(self) -> None:
         """Steps 1-3 of the module docstring (blocking; raises StartupError)."""
@@ -226,6 +231,12 @@ class NodeAgent:
         except (CheckpointError, OSError) as exc:
             raise StartupError(f"cannot open the checkpoint in {self.plugin_dir}: {exc}") from None
         devices = published_devices(host_managed=settings.host_managed, imex_supported=no_imex is None)
+        self.server.device_health = HealthReports(
+            [d.name for d in devices],
+            pool=settings.node_name,
+            host_managed=settings.host_managed,
+            imex_problem=self.hardware.imex_support,
+        )
         self.publisher = SlicePublisher(
             self.client,
             node_name=settings.node_name,
@@ -334,7 +345,7 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
     failure is one `error: ...` line on stderr). Installs no signal handlers: the caller owns `stop`
     (`main`: SIGTERM/SIGINT; the test bed's pod host: the container's stop)."""
     client = await KubeClient.for_component(settings, field_manager=COMPONENT)
-    http: web.AppRunner | None = None
+    http: HttpServer | None = None
     try:
         try:
             await require_supported(client, "the node agent")
@@ -362,7 +373,7 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
         await client.close()
 
 
-async def _start_http(settings: PluginSettings, agent: NodeAgent) -> web.AppRunner:
+async def _start_http(settings: PluginSettings, agent: NodeAgent) -> HttpServer:
     try:
         return await start_http(
             settings.http_endpoint, metrics_path=settings.metrics_path, readiness=agent.readiness_report

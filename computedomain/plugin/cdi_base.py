@@ -5,7 +5,7 @@ to their per-claim device; the daemon image has no NVIDIA binaries of its own. T
 spec defining that device at start-up (driverManaged mode), atomically, into CDI_ROOT as
 `k8s.compute-domain.nvidia.com-device_base.yaml`: the reference's file name, so an installation that
 replaces the reference overwrites its spec instead of defining the same device twice (a runtime refuses a
-device that two specs define).
+device that two specs define). The text is JSON, which is YAML: the agent needs no YAML writer.
 
 The device `all` carries (docs/design/0007 says why):
 - `nvidia-imex` and `nvidia-imex-ctl`, bind-mounted read-only at `/usr/bin/<name>`, so the daemon finds
@@ -27,13 +27,12 @@ because the runtime applying the spec runs on the host.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
 from pathlib import Path, PurePosixPath
 from typing import Final
-
-import yaml
 
 from computedomain.atomic import write_atomically
 from computedomain.plugin.cdi import CDI_VENDOR, CDI_VERSION, ContainerEdits, DeviceNode, Mount
@@ -119,7 +118,7 @@ def render(edits: ContainerEdits) -> str:
         "kind": BASE_KIND,
         "devices": [{"name": BASE_DEVICE, "containerEdits": edits.to_cdi()}],
     }
-    return "---\n" + yaml.safe_dump(spec, sort_keys=False)
+    return json.dumps(spec, indent=2) + "\n"
 
 
 def write_base_spec(cdi_root: Path, edits: ContainerEdits) -> Path:

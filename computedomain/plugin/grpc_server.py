@@ -7,7 +7,8 @@ Owns three asyncio gRPC servers and the socket files they listen on:
   service versions served; NotifyRegistrationStatus is recorded and logged;
 - the DRA node service in both wire versions (`k8s.io.kubelet.pkg.apis.dra.v1` and `...v1beta1`) on
   `<plugins dir>/<driver>/dra.sock`; both translate into the version-free model of `preparer` and delegate
-  to an injected `Preparer`;
+  to an injected `Preparer`; beside them on the same socket the kubelet's device health stream
+  (`v1alpha1.DRAResourceHealth/NodeWatchResources`), which relays `health.HealthReports`;
 - `grpc.health.v1` on TCP (the pod probes; on the pod IP when it is known, else on every address), services
   `""` and `liveness`, whose Check dials the two unix sockets above by path, so a deleted socket file or a
   wedged server turns into NOT_SERVING; and `readiness`, which is also NOT_SERVING while the agent reports a
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
+from computedomain.plugin.health import HealthReports
 from computedomain.plugin.preparer import (
     ClaimRef,
     ClaimUid,
@@ -44,6 +46,8 @@ from computedomain.plugin.preparer import (
     strip_subrequest,
 )
 from computedomain.plugin.proto import (
+    dra_health_v1alpha1_pb2,
+    dra_health_v1alpha1_pb2_grpc,
     dra_v1_pb2,
     dra_v1_pb2_grpc,
     dra_v1beta1_pb2,
@@ -56,6 +60,8 @@ from computedomain.plugin.proto import (
 _dra_v1_grpc: Any = dra_v1_pb2_grpc
 _dra_v1beta1_grpc: Any = dra_v1beta1_pb2_grpc
 _registration_grpc: Any = pluginregistration_v1_pb2_grpc
+_dra_health_grpc: Any = dra_health_v1alpha1_pb2_grpc
+_dra_health: Any = dra_health_v1alpha1_pb2
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +208,29 @@ class _DraService:
         return response
 
 
+class _ResourceHealthService:
+    """`v1alpha1.DRAResourceHealth`: every report of `HealthReports` as one message, until the kubelet hangs up."""
+
+    def __init__(self, reports: HealthReports) -> None:
+        self._reports = reports
+
+    async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802 (gRPC name)
+        log.debug("kubelet opened the device health stream devices=%s", ",".join(self._reports.devices))
+        async for at, devices in self._reports.stream():
+            yield _dra_health.NodeWatchResourcesResponse(
+                devices=[
+                    _dra_health.DeviceHealth(
+                        device=_dra_health.DeviceIdentifier(pool_name=self._reports.pool, device_name=d.device),
+                        health=int(d.health),
+                        last_updated_time=int(at),
+                        health_check_timeout_seconds=self._reports.timeout_s,
+                        message=d.message,
+                    )
+                    for d in devices
+                ]
+            )
+
+
 # --- registration ------------------------------------------------------------------------------------------
 
 
@@ -271,9 +300,11 @@ class PluginServer:
         health_host: str = "",
         self_check_timeout_s: float = 3.0,
         readiness: Callable[[], Sequence[str]] = lambda: (),
+        device_health: HealthReports | None = None,
     ) -> None:
         """health_port None disables the health server; 0 picks a free port (see `health_port`). health_host
-        is the address it binds (the pod IP, so several agents on one machine do not clash); empty: all."""
+        is the address it binds (the pod IP, so several agents on one machine do not clash); empty: all.
+        device_health: what the kubelet's device health stream reports (default: no devices)."""
         for path in (paths.registration, paths.dra):
             _check_socket_path(path)
         self.paths = paths
@@ -283,6 +314,7 @@ class PluginServer:
         self._health_host = health_host
         self._self_check_timeout_s = self_check_timeout_s
         self._readiness = readiness
+        self.device_health = device_health or HealthReports((), pool="", host_managed=False, imex_problem=lambda: None)
         self._dra_server: grpc.aio.Server | None = None
         self._reg_server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -352,6 +384,7 @@ class PluginServer:
         _dra_v1beta1_grpc.add_DRAPluginServicer_to_server(
             _DraService(dra_v1beta1_pb2, self._preparer, "v1beta1", carries_share_id=False), server
         )
+        _dra_health_grpc.add_DRAResourceHealthServicer_to_server(_ResourceHealthService(self.device_health), server)
 
     def _add_registration(self, server: grpc.aio.Server) -> None:
         _registration_grpc.add_RegistrationServicer_to_server(

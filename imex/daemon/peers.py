@@ -226,6 +226,7 @@ class PeerSync:
     async def sync_once(self) -> Decision:
         self.passes += 1
         obj = self.current()
+        self.registry.observe(obj)
         if self.registry.needs_write(obj):
             await self.registry.register()
             # Our write comes back as a watch event; the next pass works on that object.

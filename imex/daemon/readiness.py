@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from computedomain.api.models import ReadyStatus
+from computedomain.api.types import ReadyStatus
 from computedomain.kube.client import PODS, KubeClient, Raw
 from computedomain.kube.clock import Clock
 from computedomain.kube.converge import DEFAULT_RETRIES, DONE, Converger, ReconcileResult, Retries

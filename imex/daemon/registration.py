@@ -3,46 +3,59 @@
 What it owns:
 
 * the index rules, as pure functions (``allocate_index``, ``desired_entry``) that the unit tests table-test:
-  keep the index this node already holds; otherwise take the smallest index below ``MAX_NODES_PER_IMEX_DOMAIN``
-  that no other entry of the clique holds; never take a held index; a full clique is an ``IndexExhausted``
-  error that names the holders. Two entries that claim one index (only possible through a writer that does
-  not follow these rules) are resolved deterministically: the smaller node name keeps it, the other moves;
-* ``ownerReferences`` merging (``merge_owner_reference``): our pod is added, nobody else's reference is
-  touched, so the clique object lives while any daemon pod of the clique lives;
-* ``Registry``: the executor. It reads the object, computes our entry, and writes it back with the
-  resourceVersion it read (optimistic concurrency: a ``Conflict`` re-reads and recomputes, so two daemons
-  racing for one index cannot both win). Only our own entry is ever added, changed or removed; other entries
-  are carried over as the raw JSON we read, unknown fields included. Two backends:
-  ``CliqueBackend`` (ComputeDomainCliques=true): ``ComputeDomainClique <cdUID>.<cliqueID>`` in the pod
-  namespace, created with our entry, the CD and clique labels and our pod as owner when missing;
-  ``StatusBackend`` (legacy): the ComputeDomain's ``status.nodes`` through the status subresource.
+  keep the index this node already holds; otherwise take a free index below ``MAX_NODES_PER_IMEX_DOMAIN``,
+  the first in this node's own order of preference (``slot_preference``: a hash of node name and slot, so
+  daemons starting together want different slots instead of all wanting slot 0; the legacy backend, whose
+  writes conflict whatever slot they take, keeps the smallest free index); never take an index
+  another entry of the clique holds; a full clique is an ``IndexExhausted`` error that names the holders.
+  Two entries that claim one index (only possible through a writer that does not follow these rules) are
+  resolved deterministically: the smaller node name keeps it, the other moves;
+* the slot locks: holding index N means holding the annotation ``resource.nvidia.com/index-N`` (value: the
+  node name) of the ComputeDomainClique, written in the same server-side apply as the entry, under this
+  node's own field manager. The apiserver refuses (409) an apply that sets a lock another manager holds
+  with another value, so two daemons cannot both get an index, and writes that touch different slots and
+  different entries never conflict: nobody rewrites anybody else's entry, and no write carries a
+  resourceVersion. A lock whose node has no entry any more (its daemon was killed and the controller pruned
+  the entry) is taken over with a forced apply guarded by the resourceVersion of the object that showed it
+  stale, as is any write after a conflict on fields other than a lock (entries written by a writer before
+  these locks: an older daemon, the reference driver);
+* ``Registry``: the executor. ``register`` (and ``set_status``) apply our entry: labels, our pod as an owner
+  reference (a list-map keyed by UID: nobody else's is touched, so the clique object lives while any daemon
+  pod of the clique lives), the lock, the entry; the object is created by the first apply.
+  ``unregister`` removes our entry and our lock with a JSON patch that tests, at the entry's position, our
+  node name and our pod IP, so a terminating old pod cannot delete the entry a replacement pod on the same
+  node wrote. Two backends: ``CliqueBackend`` (ComputeDomainCliques=true): ``ComputeDomainClique
+  <cdUID>.<cliqueID>`` in the pod namespace, with the locks; ``StatusBackend`` (legacy):
+  ``ComputeDomain.status.nodes`` through the status subresource, which cannot hold a lock, so every write
+  there is guarded by the resourceVersion read (optimistic concurrency).
 
-Our entry is found by node name (the list-map key). ``unregister`` removes it only while it still carries
-our pod IP, so a terminating old pod cannot delete the entry a replacement pod on the same node wrote.
+Our entry is found by node name (the list-map key). Design note: docs/design/0005-imex-daemon.md.
 
 Concurrency: one ``Registry`` per daemon, called from the run loop, the peer loop and the readiness loop of
-one event loop; an ``asyncio.Lock`` serialises its read-modify-write cycles, so the daemon never races itself
-(only other daemons, which the resourceVersion handles). The conflict retry is bounded and jittered; when it
-gives up the caller's loop retries later.
+one event loop; an ``asyncio.Lock`` serialises its writes, so the daemon never races itself (only other
+daemons, which the locks and resourceVersions handle). Retries after a conflict are bounded; when they run
+out the caller's loop retries later.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import hashlib
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Final, Protocol
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
-from computedomain.api.models import ReadyStatus, clique_name
+from computedomain.api.types import INDEX_LOCK_PREFIX, ReadyStatus, clique_name, index_lock, index_locks
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient, Raw, Resource
 from computedomain.kube.clock import Clock, MonotonicClock
-from computedomain.kube.errors import Conflict, NotFound
+from computedomain.kube.errors import Conflict, Invalid, NotFound
 
 __all__ = [
+    "LOCK_PREFIX",
+    "Claim",
     "CliqueBackend",
     "DaemonEntry",
     "Identity",
@@ -52,10 +65,19 @@ __all__ = [
     "StatusBackend",
     "allocate_index",
     "desired_entry",
-    "merge_owner_reference",
+    "field_manager",
+    "lock_key",
+    "locks_of",
+    "plan_claim",
+    "slot_preference",
 ]
 
 log = logging.getLogger(__name__)
+
+#: ``<LOCK_PREFIX><index>`` is the annotation that says which node holds a slot of the clique.
+LOCK_PREFIX: Final = INDEX_LOCK_PREFIX
+#: the apiserver's limit on a field manager's name
+_MAX_MANAGER: Final = 128
 
 
 class RegistrationError(Exception):
@@ -90,8 +112,36 @@ class Identity:
 # Pure rules
 
 
-def allocate_index(entries: Sequence[DaemonEntry], me: Identity, max_nodes: int) -> int:
-    """The index our entry must carry, given every entry of the object (ours included, if present)."""
+def slot_preference(node_name: str, max_nodes: int) -> list[int]:
+    """This node's order of preference over the slots: the same on every call, different between nodes."""
+
+    def weight(slot: int) -> bytes:
+        return hashlib.sha256(f"{node_name}\0{slot}".encode()).digest()
+
+    return sorted(range(max_nodes), key=weight)
+
+
+def lock_key(index: int) -> str:
+    return index_lock(index)
+
+
+def locks_of(obj: Raw | None) -> dict[int, str]:
+    """index -> node name of every slot lock on ``obj``."""
+    return index_locks(((obj or {}).get("metadata") or {}).get("annotations"))
+
+
+def allocate_index(
+    entries: Sequence[DaemonEntry],
+    me: Identity,
+    max_nodes: int,
+    locks: Mapping[int, str] | None = None,
+    *,
+    spread: bool = True,
+) -> int:
+    """The index our entry must carry, given every entry of the object (ours included, if present) and the
+    slot locks: ours if we hold one, else the first free slot in our order of preference (``spread``; else
+    the smallest), slots that no live lock names before slots whose lock outlived its entry."""
+    locks = locks or {}
     peers = [e for e in entries if e.clique_id == me.clique_id and e.node_name != me.node_name]
     taken = {e.index for e in peers}
     own = next((e for e in entries if e.node_name == me.node_name), None)
@@ -103,9 +153,13 @@ def allocate_index(entries: Sequence[DaemonEntry], me: Identity, max_nodes: int)
         holders = sorted([me.node_name, *(e.node_name for e in peers if e.index == own.index)])
         if holders[0] == me.node_name:
             return own.index
-    for index in range(max_nodes):
-        if index not in taken:
-            return index
+    order = slot_preference(me.node_name, max_nodes) if spread else range(max_nodes)
+    free = [i for i in order if i not in taken]
+    if free:
+        # A lock of ours on a free slot: we held it before (our entry was pruned or we moved); take it back.
+        mine = [i for i in free if locks.get(i) == me.node_name]
+        unlocked = [i for i in free if i not in locks]
+        return (mine or unlocked or free)[0]
     holders_text = ", ".join(f"{e.index}={e.node_name}" for e in sorted(peers, key=lambda e: e.index))
     raise IndexExhausted(
         f"clique {me.clique_id!r}: all {max_nodes} IMEX slots are held ({holders_text}); node {me.node_name} "
@@ -113,26 +167,62 @@ def allocate_index(entries: Sequence[DaemonEntry], me: Identity, max_nodes: int)
     )
 
 
-def desired_entry(entries: Sequence[DaemonEntry], me: Identity, status: ReadyStatus, max_nodes: int) -> DaemonEntry:
+def desired_entry(
+    entries: Sequence[DaemonEntry],
+    me: Identity,
+    status: ReadyStatus,
+    max_nodes: int,
+    locks: Mapping[int, str] | None = None,
+    *,
+    spread: bool = True,
+) -> DaemonEntry:
     """Our entry as it must be: our IP and clique, a stable index, and the status we mirror."""
     return DaemonEntry(
         node_name=me.node_name,
         ip_address=me.ip_address,
         clique_id=me.clique_id,
-        index=allocate_index(entries, me, max_nodes),
+        index=allocate_index(entries, me, max_nodes, locks, spread=spread),
         status=status,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one write asks for: our entry, and whether its lock must be taken from another node (a lock
+    that outlived its node's entry), which only a write guarded by the resourceVersion may do."""
+
+    entry: DaemonEntry
+    takeover: bool
+
+
+def plan_claim(
+    entries: Sequence[DaemonEntry],
+    locks: Mapping[int, str],
+    me: Identity,
+    status: ReadyStatus,
+    max_nodes: int,
+    *,
+    spread: bool = True,
+) -> Claim:
+    entry = desired_entry(entries, me, status, max_nodes, locks, spread=spread)
+    holder = locks.get(entry.index)
+    return Claim(entry, takeover=holder is not None and holder != me.node_name)
 
 
 def own_entry(entries: Sequence[DaemonEntry], node_name: str) -> DaemonEntry | None:
     return next((e for e in entries if e.node_name == node_name), None)
 
 
-def merge_owner_reference(refs: Sequence[Mapping[str, Any]], own: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    """``refs`` plus ``own`` (matched by UID), or None when ``own`` is already there. Others stay untouched."""
-    if any(ref.get("uid") == own.get("uid") for ref in refs):
-        return None
-    return [dict(ref) for ref in refs] + [dict(own)]
+def field_manager(node_name: str) -> str:
+    """This node's field manager: its entry and its lock are its own fields (the name fits the API's limit)."""
+    name = f"compute-domain-daemon.{node_name}"
+    if len(name) <= _MAX_MANAGER:
+        return name
+    return f"compute-domain-daemon.{hashlib.sha256(node_name.encode()).hexdigest()[:40]}"
+
+
+def _json_pointer(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -152,11 +242,16 @@ class Backend(Protocol):
     @property
     def subresource(self) -> str | None: ...
 
+    @property
+    def has_locks(self) -> bool:
+        """Whether slot locks can live on the object (else every write is guarded by resourceVersion)."""
+
+    @property
+    def items_path(self) -> str:
+        """The JSON pointer of the entry list."""
+
     def items(self, obj: Raw) -> list[Raw]:
         """The raw entry list of ``obj`` (a fresh list; entries are the object's own dicts)."""
-
-    def with_items(self, obj: Raw, items: list[Raw]) -> Raw:
-        """A copy of ``obj`` whose entry list is ``items``."""
 
     def decode(self, item: Raw) -> DaemonEntry: ...
 
@@ -164,8 +259,8 @@ class Backend(Protocol):
 
     def key(self, item: Raw) -> str: ...
 
-    def new_object(self, items: list[Raw], owner: Raw) -> Raw | None:
-        """A body to create when the object is missing, or None when we must not create it."""
+    def applied(self, entry: DaemonEntry, owner: Raw) -> Raw:
+        """The configuration we apply: our entry (and the object's identity: labels, our owner reference)."""
 
     def check(self, obj: Raw) -> None:
         """Raise RegistrationError when ``obj`` is not ours to write (another CD with the same name)."""
@@ -208,6 +303,8 @@ class CliqueBackend:
     clique_id: str
     resource: Resource = COMPUTE_DOMAIN_CLIQUES
     subresource: str | None = None
+    has_locks: bool = True
+    items_path: str = "/daemons"
 
     @property
     def name(self) -> str:
@@ -215,11 +312,6 @@ class CliqueBackend:
 
     def items(self, obj: Raw) -> list[Raw]:
         return list(obj.get("daemons") or [])
-
-    def with_items(self, obj: Raw, items: list[Raw]) -> Raw:
-        out = dict(obj)
-        out["daemons"] = items
-        return out
 
     def decode(self, item: Raw) -> DaemonEntry:
         return _entry_from(item, "nodeName")
@@ -230,7 +322,7 @@ class CliqueBackend:
     def key(self, item: Raw) -> str:
         return str(item.get("nodeName") or "")
 
-    def new_object(self, items: list[Raw], owner: Raw) -> Raw | None:
+    def applied(self, entry: DaemonEntry, owner: Raw) -> Raw:
         return {
             "apiVersion": GROUP_VERSION,
             "kind": "ComputeDomainClique",
@@ -238,9 +330,10 @@ class CliqueBackend:
                 "name": self.name,
                 "namespace": self.namespace,
                 "labels": {COMPUTE_DOMAIN_LABEL: self.cd_uid, CLIQUE_LABEL: self.clique_id},
+                "annotations": {lock_key(entry.index): entry.node_name},
                 "ownerReferences": [owner],
             },
-            "daemons": items,
+            "daemons": [self.encode(entry)],
         }
 
     def check(self, obj: Raw) -> None:
@@ -264,17 +357,11 @@ class StatusBackend:
     cd_uid: str
     resource: Resource = COMPUTE_DOMAINS
     subresource: str | None = "status"
+    has_locks: bool = False
+    items_path: str = "/status/nodes"
 
     def items(self, obj: Raw) -> list[Raw]:
         return list((obj.get("status") or {}).get("nodes") or [])
-
-    def with_items(self, obj: Raw, items: list[Raw]) -> Raw:
-        out = dict(obj)
-        status = dict(out.get("status") or {})
-        status["nodes"] = items
-        status.setdefault("status", str(ReadyStatus.NOT_READY))
-        out["status"] = status
-        return out
 
     def decode(self, item: Raw) -> DaemonEntry:
         return _entry_from(item, "name")
@@ -285,8 +372,14 @@ class StatusBackend:
     def key(self, item: Raw) -> str:
         return str(item.get("name") or "")
 
-    def new_object(self, items: list[Raw], owner: Raw) -> Raw | None:
-        return None  # the user creates ComputeDomains, never a daemon
+    def applied(self, entry: DaemonEntry, owner: Raw) -> Raw:
+        # Only our entry: status.status and the conditions are the controller's fields.
+        return {
+            "apiVersion": GROUP_VERSION,
+            "kind": "ComputeDomain",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "status": {"nodes": [self.encode(entry)]},
+        }
 
     def check(self, obj: Raw) -> None:
         uid = (obj.get("metadata") or {}).get("uid")
@@ -304,11 +397,8 @@ class StatusBackend:
 # The executor
 
 
-Mutation = Callable[[list[DaemonEntry]], DaemonEntry]
-
-
 class Registry:
-    """Reads, computes and writes our own entry (see the module docstring)."""
+    """Applies and removes our own entry (see the module docstring)."""
 
     def __init__(
         self,
@@ -331,12 +421,23 @@ class Registry:
         self._rng = rng or random.Random()
         self._max_attempts = max_attempts
         self._lock = asyncio.Lock()
+        self.field_manager = field_manager(me.node_name)
         # The status we mirror from our pod; written with every (re-)registration.
         self.status = ReadyStatus.NOT_READY
         self.last_written: DaemonEntry | None = None
+        # The newest object we know (an apply's answer, a read, a watch event): where a claim is planned.
+        self._view: Raw | None = None
+        #: writes refused because another daemon took the slot first (the rest of the refusals are stale
+        #: resourceVersions of guarded writes)
+        self.lock_conflicts = 0
 
     def entries(self, obj: Raw | None) -> list[DaemonEntry]:
         return [] if obj is None else [self.backend.decode(i) for i in self.backend.items(obj)]
+
+    def observe(self, obj: Raw | None) -> None:
+        """A newer object from a watch: the next claim is planned on it."""
+        if obj is not None:
+            self._view = obj
 
     def needs_write(self, obj: Raw | None) -> bool:
         """Whether ``obj`` (e.g. a watch event) lacks our entry as we want it; cheap, no I/O."""
@@ -345,23 +446,23 @@ class Registry:
         try:
             self.backend.check(obj)
             entries = self.entries(obj)
-            want = desired_entry(entries, self.me, self.status, self.max_nodes)
+            locks = locks_of(obj)
+            want = desired_entry(entries, self.me, self.status, self.max_nodes, locks, spread=self.backend.has_locks)
         except RegistrationError:
             return True
         if own_entry(entries, self.me.node_name) != want:
             return True
+        if self.backend.has_locks and locks.get(want.index) != self.me.node_name:
+            return True
         if self.backend.wants_owner():
             refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-            return merge_owner_reference(refs, self._owner) is not None
+            return not any(ref.get("uid") == self._owner.get("uid") for ref in refs if isinstance(ref, Mapping))
         return False
 
     async def register(self) -> DaemonEntry:
         """Make our entry exist as desired (index kept or allocated, our IP, mirrored status)."""
-
-        def mutate(entries: list[DaemonEntry]) -> DaemonEntry:
-            return desired_entry(entries, self.me, self.status, self.max_nodes)
-
-        return await self._update(mutate, create=True)
+        async with self._lock:
+            return await self._apply_entry()
 
     async def set_status(self, status: ReadyStatus) -> DaemonEntry:
         """Mirror our pod's readiness into our entry (re-registering if the entry went missing)."""
@@ -369,119 +470,125 @@ class Registry:
         return await self.register()
 
     async def unregister(self) -> bool:
-        """Remove our entry if it still carries our IP. True when something was removed."""
+        """Remove our entry (and our lock) if it still carries our IP. True when something was removed."""
+        b = self.backend
         async with self._lock:
             for attempt in range(1, self._max_attempts + 1):
                 try:
-                    obj = await self._client.get(
-                        self.backend.resource, self.backend.name, namespace=self.backend.namespace
-                    )
+                    obj = await self._client.get(b.resource, b.name, namespace=b.namespace)
                 except NotFound:
                     return False
-                self.backend.check(obj)
-                items = self.backend.items(obj)
-                kept = [
-                    i
-                    for i in items
-                    if not (
-                        self.backend.key(i) == self.me.node_name
-                        and self.backend.decode(i).ip_address == self.me.ip_address
-                    )
-                ]
-                if len(kept) == len(items):
+                b.check(obj)
+                ops = self._removal(obj)
+                if ops is None:
                     return False
                 try:
-                    await self._write(self.backend.with_items(obj, kept))
-                except (Conflict, NotFound):
+                    await self._client.json_patch(
+                        b.resource, b.name, ops, namespace=b.namespace, subresource=b.subresource
+                    )
+                except (Invalid, Conflict):
+                    # A test failed: the list moved under us (another entry removed before ours). Again.
                     await self._pause(attempt)
                     continue
+                except NotFound:
+                    return False
                 self.last_written = None
-                log.info("unregistered node=%s object=%s", self.me.node_name, self.backend.name)
+                self._view = None
+                log.info("unregistered node=%s object=%s", self.me.node_name, b.name)
                 return True
-        raise RegistrationError(f"could not remove our entry from {self.backend.name}: too many conflicts")
+        raise RegistrationError(f"could not remove our entry from {b.name}: the list kept changing")
 
     # ---- internals ------------------------------------------------------------------------------------
 
-    async def _write(self, obj: Raw) -> Raw:
-        return await self._client.replace(
-            self.backend.resource, obj, namespace=self.backend.namespace, subresource=self.backend.subresource
-        )
+    def _removal(self, obj: Raw) -> list[Raw] | None:
+        """JSON patch ops that remove our entry (at its position, tested) and our lock; None: nothing of ours."""
+        b = self.backend
+        items = b.items(obj)
+        for position, item in enumerate(items):
+            entry = b.decode(item)
+            if b.key(item) != self.me.node_name or entry.ip_address != self.me.ip_address:
+                continue
+            path = f"{b.items_path}/{position}"
+            ops: list[Raw] = [
+                {"op": "test", "path": f"{path}/{'nodeName' if b.has_locks else 'name'}", "value": self.me.node_name},
+                {"op": "test", "path": f"{path}/ipAddress", "value": self.me.ip_address},
+                {"op": "remove", "path": path},
+            ]
+            if b.has_locks and locks_of(obj).get(entry.index) == self.me.node_name:
+                lock = f"/metadata/annotations/{_json_pointer(lock_key(entry.index))}"
+                ops += [{"op": "test", "path": lock, "value": self.me.node_name}, {"op": "remove", "path": lock}]
+            return ops
+        return None
+
+    def _shows_our_slot(self, view: Raw) -> bool:
+        if self.last_written is None:
+            return True
+        own = own_entry(self.entries(view), self.me.node_name)
+        return own is not None and own.index == self.last_written.index
+
+    async def _read(self) -> Raw | None:
+        b = self.backend
+        try:
+            return await self._client.get(b.resource, b.name, namespace=b.namespace)
+        except NotFound:
+            return None
 
     async def _pause(self, attempt: int) -> None:
-        # Jittered, growing pause between conflict retries: many daemons start at once and all write the
-        # same object; spreading them out lets each attempt succeed instead of colliding again.
+        # Jittered, growing pause between retries of guarded writes: they conflict with any write.
         delay = min(0.5, 0.005 * 2 ** min(attempt, 8)) * (0.5 + self._rng.random())
         await self._clock.sleep(delay)
 
-    async def _update(self, mutate: Mutation, *, create: bool) -> DaemonEntry:
-        async with self._lock:
-            last_error: Exception | None = None
-            for attempt in range(1, self._max_attempts + 1):
-                try:
-                    return await self._update_once(mutate, create=create)
-                except (Conflict, NotFound) as exc:
-                    # Conflict: someone wrote in between (maybe took "our" free index); AlreadyExists: a peer
-                    # created the object first; NotFound: it was deleted under us. Re-read and recompute.
-                    last_error = exc
-                    await self._pause(attempt)
-            raise RegistrationError(
-                f"could not write our entry to {self.backend.resource.kind} {self.backend.name} after "
-                f"{self._max_attempts} attempts: {last_error}"
-            )
-
-    async def _update_once(self, mutate: Mutation, *, create: bool) -> DaemonEntry:
+    async def _apply_entry(self) -> DaemonEntry:
         b = self.backend
-        try:
-            obj: Raw | None = await self._client.get(b.resource, b.name, namespace=b.namespace)
-        except NotFound:
-            obj = None
-        if obj is None:
-            entry = mutate([])
-            body = b.new_object([b.encode(entry)], self._owner) if create else None
-            if body is None:
+        view = self._view
+        if view is None or not self._shows_our_slot(view):
+            # Never plan a write on a view older than our last one: an old view without our entry would
+            # make us "allocate" again and move away from the index we hold.
+            view = await self._read()
+        force = False
+        last_error: Exception | None = None
+        for attempt in range(1, self._max_attempts + 1):
+            if view is not None:
+                b.check(view)
+            elif not b.has_locks:
                 raise RegistrationError(f"{b.resource.kind} {b.namespace}/{b.name} does not exist")
-            # AlreadyExists (a peer created it first) is a Conflict: the caller re-reads and merges.
-            await self._client.create(b.resource, body, namespace=b.namespace)
-            self._note(entry, created=True)
-            return entry
-        b.check(obj)
-        items = b.items(obj)
-        entries = [b.decode(i) for i in items]
-        entry = mutate(entries)
-        current = own_entry(entries, self.me.node_name)
-        changed = False
-        if entry != current:
-            new_item = b.encode(entry)
-            replaced = False
-            new_items: list[Raw] = []
-            for item in items:
-                if b.key(item) == self.me.node_name:
-                    if not replaced:
-                        merged = copy.deepcopy(item)
-                        merged.update(new_item)
-                        new_items.append(merged)
-                        replaced = True
-                    # a second entry with our key cannot come from a list-map; drop it if it does
-                else:
-                    new_items.append(item)
-            if not replaced:
-                new_items.append(new_item)
-            obj = b.with_items(obj, new_items)
-            changed = True
-        if b.wants_owner():
-            meta = dict(obj.get("metadata") or {})
-            refs = merge_owner_reference(meta.get("ownerReferences") or [], self._owner)
-            if refs is not None:
-                meta["ownerReferences"] = refs
-                obj = dict(obj)
-                obj["metadata"] = meta
-                changed = True
-        if changed:
-            await self._write(obj)
-            self._note(entry, created=False)
-        else:
-            self.last_written = entry
-        return entry
+            locks = locks_of(view) if b.has_locks else {}
+            claim = plan_claim(self.entries(view), locks, self.me, self.status, self.max_nodes, spread=b.has_locks)
+            guarded = force or claim.takeover or not b.has_locks
+            body = b.applied(claim.entry, self._owner)
+            if guarded and view is not None:
+                body["metadata"]["resourceVersion"] = (view.get("metadata") or {}).get("resourceVersion")
+            try:
+                written = await self._client.apply(
+                    b.resource,
+                    body,
+                    namespace=b.namespace,
+                    subresource=b.subresource,
+                    field_manager=self.field_manager,
+                    force=guarded,
+                )
+            except Conflict as exc:
+                last_error = exc
+                view = await self._read()
+                holder = locks_of(view).get(claim.entry.index)
+                if not guarded and holder not in (None, self.me.node_name):
+                    # Another daemon got this slot first: plan again on the newer object, at once.
+                    self.lock_conflicts += 1
+                    continue
+                # A stale resourceVersion, or fields another writer owns: a guarded, forced write next.
+                if guarded:
+                    await self._pause(attempt)
+                force = True
+                continue
+            except NotFound as exc:
+                # Legacy backend: the ComputeDomain is gone.
+                raise RegistrationError(f"{b.resource.kind} {b.namespace}/{b.name} does not exist") from exc
+            self._view = written
+            self._note(claim.entry, created=view is None)
+            return claim.entry
+        raise RegistrationError(
+            f"could not write our entry to {b.resource.kind} {b.name} after {self._max_attempts} attempts: {last_error}"
+        )
 
     def _note(self, entry: DaemonEntry, *, created: bool) -> None:
         previous = self.last_written

@@ -2,7 +2,9 @@
 
 Sequence:
 
-1. Validate the identity (CD UID from CDI, pod identity from the downward API); connect to the apiserver.
+1. Validate the identity (CD UID from CDI, pod identity from the downward API); connect to the apiserver;
+   answer the pod's probes on ``<pod IP>:CHECK_PORT`` (``GET /ready``: ``check``'s verdict, 200 only on
+   exactly READY), so a probe costs an ``nvidia-imex-ctl`` exec instead of a fresh Python.
 2. Label our own pod ``resource.nvidia.com/computeDomain.cliqueID=<CLIQUE_ID>`` (JSON merge patch). The value
    is empty on a node without NVLink fabric: that label *is* such a node's registration. It cannot have a
    ComputeDomainClique (``<uid>.`` is no valid name), so the controller reports it from the pod (IP, Ready
@@ -34,11 +36,13 @@ from typing import Any, TypeVar
 
 from computedomain.api.constants import CLIQUE_LABEL
 from computedomain.atomic import write_atomically
+from computedomain.http import Answer, EndpointError, HttpServer, start_http
 from computedomain.kube.client import PODS, KubeClient
 from computedomain.kube.converge import Retries
 from computedomain.kube.errors import KubeError
 from computedomain.kube.version import UnsupportedServerError, require_supported
 from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
+from imex.daemon.check import check
 from imex.daemon.peers import PeerFiles, PeerSync
 from imex.daemon.process import ImexProcess
 from imex.daemon.readiness import ReadinessMirror
@@ -162,7 +166,33 @@ async def run_daemon(
             await client.close()
 
 
+async def serve_check(settings: DaemonSettings) -> HttpServer | None:
+    """The probes' endpoint: ``GET /ready`` runs ``check`` (the ctl, with its deadline) on every request."""
+    if not settings.check_port:
+        return None
+
+    async def ready() -> Answer:
+        result = await check(settings)
+        return 200 if result.ready else 503, "text/plain; charset=utf-8", f"{result.message}\n".encode()
+
+    host = f"[{settings.pod_ip}]" if ":" in settings.pod_ip else settings.pod_ip
+    return await start_http(f"{host}:{settings.check_port}", metrics_path="", routes={"/ready": ready})
+
+
 async def _run(settings: DaemonSettings, client: KubeClient, stop: asyncio.Event) -> int:
+    try:
+        probes = await serve_check(settings)
+    except (EndpointError, OSError) as exc:
+        log.error("cannot answer the probes on %s port %d: %s", settings.pod_ip, settings.check_port, exc)
+        return 1
+    try:
+        return await _registered(settings, client, stop)
+    finally:
+        if probes is not None:
+            await probes.cleanup()
+
+
+async def _registered(settings: DaemonSettings, client: KubeClient, stop: asyncio.Event) -> int:
     log.info(
         "starting daemon node=%s pod=%s/%s ip=%s cd=%s clique=%r dns_names=%s cliques=%s",
         settings.node_name,

@@ -19,9 +19,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from computedomain.api.constants import DAEMON_CHECK_PORT as CHECK_PORT
 from computedomain.api.constants import MAX_NODES_PER_IMEX_DOMAIN
 from computedomain.api.limits import brief
-from computedomain.api.models import clique_name
+from computedomain.api.types import clique_name
 from computedomain.settings import (
     CommonSettings,
     FeatureGate,
@@ -74,6 +75,11 @@ class DaemonSettings(CommonSettings):
         "IMEX_RESTART_BACKOFF_MAX", "longest delay between restarts of a crash-looping nvidia-imex", default=30.0
     )
     check_timeout: float = setting("CHECK_TIMEOUT", "deadline of nvidia-imex-ctl in `check`", default=8.0)
+    check_port: int = setting(
+        "CHECK_PORT",
+        "port on the pod IP where `run` answers the probes (GET /ready: 200 only on exactly READY); 0: none",
+        default=CHECK_PORT,
+    )
     shutdown_timeout: float = setting("SHUTDOWN_TIMEOUT", "deadline for removing our entry after SIGTERM", default=10.0)
     retry_backoff_initial: float = setting(
         "RETRY_BACKOFF_INITIAL", "first delay before a failed registration or peer update is retried", default=0.2
@@ -95,6 +101,8 @@ class DaemonSettings(CommonSettings):
         ):
             if value < 0:
                 raise SettingsError(f"{env} {value!r} must not be negative")
+        if not 0 <= self.check_port <= 65535:
+            raise SettingsError(f"CHECK_PORT {self.check_port!r} must be a port number (0: no endpoint)")
         if self.hostname_prefix_text and not re.fullmatch(
             r"[a-z0-9]([a-z0-9-]{0,56}[a-z0-9])?", self.hostname_prefix_text
         ):

@@ -260,7 +260,7 @@ async def run(bench: Bench) -> None:
             clique_writes = {
                 code: n
                 for (verb, res, code), n in req.items()
-                if res == "computedomaincliques" and verb in ("PUT", "POST")
+                if res == "computedomaincliques" and verb in ("PUT", "POST", "PATCH", "APPLY")
             }
             accepted = sum(n for code, n in clique_writes.items() if code.startswith("2"))
             if accepted:

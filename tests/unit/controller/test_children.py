@@ -46,10 +46,11 @@ def test_daemonset_identity_and_scheduling() -> None:
     assert "imagePullSecrets" not in pod
 
 
-def test_daemonset_probes_run_the_daemon_check() -> None:
+def test_daemonset_probes_ask_the_daemon_for_its_check() -> None:
     container = daemonset(compute_domain(), settings())["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "CHECK_PORT", "value": "8080"} in container["env"]
     for probe, period, failures in (("startupProbe", 1, 1200), ("livenessProbe", 60, 20), ("readinessProbe", 10, 1)):
-        assert container[probe]["exec"]["command"] == ["python", "-m", "imex", "daemon", "check"]
+        assert container[probe]["httpGet"] == {"path": "/ready", "port": 8080}
         assert (container[probe]["periodSeconds"], container[probe]["failureThreshold"]) == (period, failures)
         assert container[probe]["timeoutSeconds"] == 10
 

@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator
 from urllib.parse import parse_qs
 
 import pytest
-from aiohttp import web
-from kubernetes_asyncio.client import ApiClient, Configuration
 
 from computedomain.kube import errors
 from computedomain.kube.client import (
@@ -22,86 +20,76 @@ from computedomain.kube.client import (
     ClientConfig,
     KubeClient,
 )
+from computedomain.kube.transport import Endpoint, Transport
+from tests.unit.kube.fake_http import FakeServer, status_reply
 
 pytestmark = pytest.mark.timeout(10)
 
 
-def status(code: int, reason: str, message: str) -> web.Response:
-    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason}
-    body["message"] = message
-    return web.json_response(body, status=code)
-
-
-class FakeAPI:
-    def __init__(self) -> None:
-        self.responses: list[web.Response] = []
-        self.requests: list[tuple[str, str, str, bytes]] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        self.requests.append((request.method, request.path_qs, request.headers.get("Content-Type", ""), body))
-        if self.responses:
-            return self.responses.pop(0)
-        return web.json_response({"metadata": {"name": "x", "resourceVersion": "7"}})
+def client_for(url: str, **config: object) -> KubeClient:
+    settings: dict[str, object] = {
+        "max_attempts": 4,
+        "backoff_base": 0.001,
+        "backoff_cap": 0.01,
+        "deadline": 5.0,
+        "qps": 0,
+    }
+    settings.update(config)
+    return KubeClient(Transport(Endpoint.parse(url)), config=ClientConfig(**settings), rng=random.Random(3))  # type: ignore[arg-type]
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[tuple[FakeAPI, KubeClient]]:
-    fake = FakeAPI()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = KubeClient(
-        ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{port}")),
-        config=ClientConfig(max_attempts=4, backoff_base=0.001, backoff_cap=0.01, deadline=5.0, qps=0),
-        rng=random.Random(3),
-    )
-    try:
-        yield fake, client
-    finally:
-        await client.close()
-        await runner.cleanup()
+async def api() -> AsyncIterator[tuple[FakeServer, KubeClient]]:
+    async with FakeServer() as fake:
+        client = client_for(fake.url)
+        try:
+            yield fake, client
+        finally:
+            await client.close()
 
 
-async def test_paths_queries_and_content_types(api: tuple[FakeAPI, KubeClient]) -> None:
+async def test_paths_queries_and_content_types(api: tuple[FakeServer, KubeClient]) -> None:
     fake, client = api
     await client.get(PODS, "p", namespace="ns")
     await client.list(COMPUTE_DOMAINS, label_selector="a=b,c in (d)", limit=10)
     await client.merge_patch(NODES, "n1", {"metadata": {"labels": {"x": None}}})
     await client.replace(COMPUTE_DOMAINS, {"metadata": {"name": "cd", "namespace": "ns"}}, subresource="status")
     await client.delete(PODS, "p", namespace="ns", uid="u1", propagation_policy="Background")
-    methods = [(m, p) for m, p, _, _ in fake.requests]
+    methods = [(r.method, r.target) for r in fake.requests]
     assert methods[0] == ("GET", "/api/v1/namespaces/ns/pods/p")
     path, _, query = methods[1][1].partition("?")
     assert path == "/apis/resource.nvidia.com/v1beta1/computedomains"
     assert parse_qs(query) == {"labelSelector": ["a=b,c in (d)"], "limit": ["10"]}
     assert methods[2] == ("PATCH", "/api/v1/nodes/n1?fieldManager=computedomain")
-    assert fake.requests[2][2] == "application/merge-patch+json"
-    assert json.loads(fake.requests[2][3]) == {"metadata": {"labels": {"x": None}}}
+    assert fake.requests[2].headers["content-type"] == "application/merge-patch+json"
+    assert json.loads(fake.requests[2].body) == {"metadata": {"labels": {"x": None}}}
     assert methods[3] == (
         "PUT",
         "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains/cd/status?fieldManager=computedomain",
     )
-    assert fake.requests[3][2] == "application/yaml"
+    # compact JSON: the apiserver keeps embedded raw fields byte for byte
+    assert fake.requests[3].headers["content-type"] == "application/json"
+    assert fake.requests[3].body == b'{"metadata":{"name":"cd","namespace":"ns"}}'
     assert methods[4] == ("DELETE", "/api/v1/namespaces/ns/pods/p")
-    assert json.loads(fake.requests[4][3])["preconditions"] == {"uid": "u1"}
+    assert json.loads(fake.requests[4].body)["preconditions"] == {"uid": "u1"}
+    # one keep-alive connection carried all five
+    assert fake.connections == 1
 
 
-async def test_transient_errors_are_retried_then_succeed(api: tuple[FakeAPI, KubeClient]) -> None:
+async def test_transient_errors_are_retried_then_succeed(api: tuple[FakeServer, KubeClient]) -> None:
     fake, client = api
-    fake.responses = [status(503, "ServiceUnavailable", "etcd leader changed"), status(500, "InternalError", "x")]
+    fake.replies = [
+        status_reply(503, "ServiceUnavailable", "etcd leader changed"),
+        status_reply(500, "InternalError", "x"),
+    ]
     out = await client.get(PODS, "p", namespace="ns")
     assert out["metadata"]["resourceVersion"] == "7"
     assert len(fake.requests) == 3
 
 
-async def test_retries_run_out_with_the_last_error(api: tuple[FakeAPI, KubeClient]) -> None:
+async def test_retries_run_out_with_the_last_error(api: tuple[FakeServer, KubeClient]) -> None:
     fake, client = api
-    fake.responses = [status(503, "ServiceUnavailable", f"try {i}") for i in range(10)]
+    fake.replies = [status_reply(503, "ServiceUnavailable", f"try {i}") for i in range(10)]
     with pytest.raises(errors.Transient, match="try 3"):
         await client.get(PODS, "p", namespace="ns")
     assert len(fake.requests) == 4
@@ -120,22 +108,20 @@ class RecordingClock:
         self.slept.append(seconds)
 
 
-async def test_too_many_requests_honours_retry_after(api: tuple[FakeAPI, KubeClient]) -> None:
+async def test_too_many_requests_honours_retry_after(api: tuple[FakeServer, KubeClient]) -> None:
     fake, client = api
     clock = RecordingClock()
     client._clock = clock
-    throttled = status(429, "TooManyRequests", "APF")
-    throttled.headers["Retry-After"] = "1"
-    fake.responses = [throttled]
+    fake.replies = [status_reply(429, "TooManyRequests", "APF", [("Retry-After", "1")])]
     await client.get(PODS, "p", namespace="ns")
     assert len(clock.slept) == 1
     assert clock.slept[0] >= 1.0, "the retry must wait at least Retry-After"
     assert len(fake.requests) == 2
 
 
-async def test_errors_name_the_request_that_failed(api: tuple[FakeAPI, KubeClient]) -> None:
+async def test_errors_name_the_request_that_failed(api: tuple[FakeServer, KubeClient]) -> None:
     fake, client = api
-    fake.responses = [status(403, "Forbidden", 'daemonsets.apps is forbidden: User "x" cannot create ...')]
+    fake.replies = [status_reply(403, "Forbidden", 'daemonsets.apps is forbidden: User "x" cannot create ...')]
     with pytest.raises(errors.Forbidden) as caught:
         await client.create(DAEMONSETS, {"metadata": {"name": "d"}}, namespace="drv")
     err = caught.value
@@ -144,11 +130,9 @@ async def test_errors_name_the_request_that_failed(api: tuple[FakeAPI, KubeClien
     assert "may not create daemonsets.apps in namespace drv" in errors.explain(err)
 
 
-async def test_retry_after_longer_than_the_deadline_is_raised_to_the_caller(api: tuple[FakeAPI, KubeClient]) -> None:
+async def test_retry_after_longer_than_the_deadline_is_raised_to_the_caller(api: tuple[FakeServer, KubeClient]) -> None:
     fake, client = api
-    throttled = status(429, "TooManyRequests", "APF")
-    throttled.headers["Retry-After"] = "30"
-    fake.responses = [throttled]
+    fake.replies = [status_reply(429, "TooManyRequests", "APF", [("Retry-After", "30")])]
     with pytest.raises(errors.TooManyRequests) as exc:
         await client.get(PODS, "p", namespace="ns")
     assert exc.value.retry_after == 30.0
@@ -160,20 +144,17 @@ async def test_retry_after_longer_than_the_deadline_is_raised_to_the_caller(api:
     [(404, "NotFound", errors.NotFound), (409, "Conflict", errors.Conflict), (422, "Invalid", errors.Invalid)],
 )
 async def test_caller_errors_are_not_retried(
-    api: tuple[FakeAPI, KubeClient], code: int, reason: str, cls: type[errors.KubeError]
+    api: tuple[FakeServer, KubeClient], code: int, reason: str, cls: type[errors.KubeError]
 ) -> None:
     fake, client = api
-    fake.responses = [status(code, reason, "nope")]
+    fake.replies = [status_reply(code, reason, "nope")]
     with pytest.raises(cls):
         await client.get(PODS, "p", namespace="ns")
     assert len(fake.requests) == 1
 
 
 async def test_connection_refused_is_transient() -> None:
-    client = KubeClient(
-        ApiClient(configuration=Configuration(host="http://127.0.0.1:1")),
-        config=ClientConfig(max_attempts=2, backoff_base=0.001, timeout=2.0, deadline=5.0),
-    )
+    client = client_for("http://127.0.0.1:1", max_attempts=2, timeout=2.0, qps=20.0)
     try:
         with pytest.raises(errors.Transient):
             await client.get(PODS, "x", namespace="default")
@@ -194,11 +175,11 @@ def test_resource_paths_validate_scope() -> None:
 
 
 async def test_a_client_with_its_own_budget_never_takes_the_tokens_of_the_first(
-    api: tuple[FakeAPI, KubeClient],
+    api: tuple[FakeServer, KubeClient],
 ) -> None:
     fake, base = api
     clock = RecordingClock()
-    client = KubeClient(base._api, config=ClientConfig(qps=1, burst=2), clock=clock)
+    client = KubeClient(base._transport, config=ClientConfig(qps=1, burst=2), clock=clock)
     events = client.with_own_budget()
     for _ in range(5):
         await events.get(PODS, "e", namespace="ns")
@@ -213,38 +194,20 @@ async def test_a_client_with_its_own_budget_never_takes_the_tokens_of_the_first(
 
 
 async def test_requests_in_flight_are_bounded_and_the_rest_wait_their_turn() -> None:
-    in_flight, most = 0, 0
-    release, three = asyncio.Event(), asyncio.Event()
-
-    async def handle(request: web.Request) -> web.Response:
-        nonlocal in_flight, most
-        in_flight += 1
-        most = max(most, in_flight)
-        if in_flight == 3:
-            three.set()
-        await release.wait()
-        in_flight -= 1
-        return web.json_response({"metadata": {"name": "x"}})
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = KubeClient(
-        ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{port}")),
-        config=ClientConfig(qps=0, max_in_flight=3),
-    )
-    try:
-        calls = [asyncio.create_task(client.get(PODS, f"p{i}", namespace="ns")) for i in range(10)]
-        await three.wait()
-        await asyncio.sleep(0.1)  # time for the other seven to arrive, were they not held back
-        assert most == 3, "no more than max_in_flight requests reach the server at once"
-        release.set()
-        await asyncio.gather(*calls)
-        assert most == 3
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with FakeServer() as fake:
+        fake.hold = asyncio.Event()
+        client = client_for(fake.url, max_in_flight=3)
+        try:
+            calls = [asyncio.create_task(client.get(PODS, f"p{i}", namespace="ns")) for i in range(10)]
+            for _ in range(200):  # until three are held, or two seconds
+                if fake.in_flight == 3:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # time for the other seven to arrive, were they not held back
+            assert fake.most_in_flight == 3, "no more than max_in_flight requests reach the server at once"
+            fake.hold.set()
+            await asyncio.gather(*calls)
+            assert fake.most_in_flight == 3
+            assert len(fake.requests) == 10
+        finally:
+            await client.close()

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp import web
-from kubernetes_asyncio.client import ApiClient, Configuration
 from pydantic_core import from_json
 
 from computedomain.kube.client import RESOURCE_CLAIM_TEMPLATES, ClientConfig, KubeClient
 from computedomain.kube.decoding import MAX_DEPTH, MAX_OBJECT_BYTES, DecodeError, decode, decode_items
 from computedomain.kube.errors import Permanent
 from computedomain.kube.informer import Informer, Rejection
+from computedomain.kube.transport import Endpoint, Transport
+from tests.unit.kube.fake_http import FakeServer, Recorded, Reply
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -117,43 +117,32 @@ class FakeApiserver:
         self.lists = 0
         self.done = asyncio.Event()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        if request.query.get("watch") == "true":
+    def answer(self, request: Recorded) -> Reply:
+        if "watch=true" in request.target:
             self.watches += 1
-            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-            await resp.prepare(request)
-            if self.watches == 1:
-                for line in self.watch_lines:
-                    # In pieces, as a socket delivers them.
-                    for at in range(0, len(line) + 1, 1 << 20):
-                        await resp.write((line + b"\n")[at : at + (1 << 20)])
-            await self.done.wait()  # then quiet, until the test ends
-            return resp
-        if request.match_info["tail"].endswith("resourceclaimtemplates"):
+            # In pieces, as a socket delivers them; then quiet, until the test ends.
+            stream = b"".join(line + b"\n" for line in self.watch_lines) if self.watches == 1 else b""
+            pieces = [stream[at : at + (1 << 20)] for at in range(0, len(stream), 1 << 20)]
+            return Reply(chunks=pieces, hold_open=self.done)
+        if request.path.endswith("resourceclaimtemplates"):
             self.lists += 1
-            return web.Response(body=self.listed, content_type="application/json")
-        return web.Response(body=encode(template("evil", depth=APISERVER_DEPTH)), content_type="application/json")
+            return Reply(body=self.listed)
+        return Reply(body=encode(template("evil", depth=APISERVER_DEPTH)))
 
 
 async def serve(fake: FakeApiserver) -> AsyncIterator[KubeClient]:
-    app = web.Application(client_max_size=64 << 20)
-    app.router.add_route("*", "/{tail:.*}", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = KubeClient(
-        ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{port}")),
-        config=ClientConfig(qps=0, max_attempts=1),
-        rng=random.Random(1),
-    )
-    try:
-        yield client
-    finally:
-        fake.done.set()
-        await client.close()
-        await runner.cleanup()
+    async with FakeServer() as server:
+        server.answer = fake.answer
+        client = KubeClient(
+            Transport(Endpoint.parse(server.url)),
+            config=ClientConfig(qps=0, max_attempts=1),
+            rng=random.Random(1),
+        )
+        try:
+            yield client
+        finally:
+            fake.done.set()
+            await client.close()
 
 
 def event(etype: str, obj: dict[str, Any]) -> bytes:

@@ -21,6 +21,7 @@ from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
 from computedomain.plugin.proto import (
+    dra_health_v1alpha1_pb2,
     dra_v1_pb2,
     dra_v1beta1_pb2,
     generate,
@@ -33,6 +34,7 @@ KUBELET_MODULE = "k8s.io/kubelet@v0.36.3"
 PAIRS: dict[str, ModuleType] = {
     "pkg/apis/dra/v1/api.proto": dra_v1_pb2,
     "pkg/apis/dra/v1beta1/api.proto": dra_v1beta1_pb2,
+    "pkg/apis/dra-health/v1alpha1/api.proto": dra_health_v1alpha1_pb2,
     "pkg/apis/pluginregistration/v1/api.proto": pluginregistration_v1_pb2,
 }
 
@@ -152,6 +154,9 @@ def test_service_method_paths() -> None:
         pluginregistration_v1_pb2.DESCRIPTOR.services_by_name["Registration"].full_name
         == "pluginregistration.Registration"
     )
+    watch = dra_health_v1alpha1_pb2.DESCRIPTOR.services_by_name["DRAResourceHealth"].methods_by_name
+    assert watch["NodeWatchResources"].full_name == "v1alpha1.DRAResourceHealth.NodeWatchResources"
+    assert watch["NodeWatchResources"].server_streaming
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:

@@ -1,14 +1,18 @@
-"""``check``: ready only on exactly READY from a ctl that exited 0; a hung ctl is killed; no clique is ready."""
+"""``check``: ready only on exactly READY from a ctl that exited 0; a hung ctl is killed; no clique is ready;
+and the same verdict over the daemon's probe endpoint."""
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 
+from computedomain.kube.transport import Endpoint, Transport
 from computedomain.settings import load_settings
 from imex.daemon.check import check, is_ready_output, report
+from imex.daemon.run import serve_check
 from imex.daemon.settings import DaemonSettings
 from imex.host_check import CommandResult
 
@@ -80,3 +84,30 @@ async def test_check_missing_ctl_and_real_ready_ctl(tmp_path: Path, capsys: pyte
     assert report(result) == 0
     assert report(missing) == 1
     assert capsys.readouterr().out.splitlines() == ["READY", missing.message]
+
+
+async def test_the_daemon_answers_its_probes_with_the_check(tmp_path: Path) -> None:
+    """`run` serves GET /ready on the pod IP: the kubelet's httpGet probe gets `check`'s exact verdict."""
+    ctl = tmp_path / "ctl"
+    state = tmp_path / "state"
+    state.write_text("WAITING_FOR_PEERS")
+    ctl.write_text(f"#!/bin/sh\ncat {state}\necho\n")
+    ctl.chmod(0o755)
+    with socket.socket() as s:  # a free port on the "pod IP"
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = settings(tmp_path, IMEX_CTL_BINARY=str(ctl), POD_IP="127.0.0.1", CHECK_PORT=str(port))
+    server = await serve_check(daemon)
+    assert server is not None
+    transport = Transport(Endpoint("http", "127.0.0.1", port))
+    try:
+        waiting = await transport.request("GET", "/ready", within=5)
+        assert waiting.status == 503 and b"state WAITING_FOR_PEERS" in waiting.body
+        state.write_text("READY")
+        ready = await transport.request("GET", "/ready", within=5)
+        assert (ready.status, ready.body) == (200, b"READY\n")
+        assert (await transport.request("GET", "/healthz", within=5)).status == 200
+    finally:
+        await transport.close()
+        await server.cleanup()
+    assert await serve_check(settings(tmp_path, CHECK_PORT="0")) is None

@@ -13,7 +13,14 @@ from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
 from imex.config import hostname_prefix
 from imex.daemon.peers import Action, Applied, PeerFiles, PeerSync, decide, peer_view
 from imex.daemon.process import ImexProcess
-from imex.daemon.registration import CliqueBackend, DaemonEntry, Identity, Registry, pod_owner_reference
+from imex.daemon.registration import (
+    CliqueBackend,
+    DaemonEntry,
+    Identity,
+    Registry,
+    pod_owner_reference,
+    slot_preference,
+)
 from imex.hosts_file import SENTINEL_ADDRESS, parse_hosts, read_block
 from tests.unit.imex.daemon.fakes import FakeApi
 
@@ -167,17 +174,19 @@ async def test_peer_sync_writes_hosts_then_starts_then_signals(tmp_path: Path, m
     prefix = hostname_prefix(CD)
     table = parse_hosts(sync.files.hosts_file.read_text())
     assert table["localhost"] == "127.0.0.1"  # foreign lines kept
-    assert table[f"{prefix}-0000"] == "127.1.0.1"
-    assert [table[f"{prefix}-{i:04d}"] for i in (1, 2, 3)] == [SENTINEL_ADDRESS] * 3
+    mine = slot_preference("me", 4)[0]
+    assert table[f"{prefix}-{mine:04d}"] == "127.1.0.1"
+    assert [table[f"{prefix}-{i:04d}"] for i in range(4) if i != mine] == [SENTINEL_ADDRESS] * 3
     assert process.calls == ["start"]
 
     # A peer registers: mapping changes -> SIGUSR1, no restart.
     peer, _ = make_sync(tmp_path, api, "peer", "127.1.0.2")
-    await peer.registry.register()
+    theirs = (await peer.registry.register()).index
     d = await sync.sync_once()
     assert d.action is Action.RELOAD
     assert process.calls == ["start", "reload"]
-    assert [x.address for x in read_block(sync.files.hosts_file, CD)][:2] == ["127.1.0.1", "127.1.0.2"]
+    mapped = {x.name: x.address for x in read_block(sync.files.hosts_file, CD)}
+    assert (mapped[f"{prefix}-{mine:04d}"], mapped[f"{prefix}-{theirs:04d}"]) == ("127.1.0.1", "127.1.0.2")
 
     # Nothing changed: no signal.
     assert (await sync.sync_once()).action is Action.NONE
@@ -191,6 +200,6 @@ async def test_peer_sync_writes_hosts_then_starts_then_signals(tmp_path: Path, m
     assert (await sync.sync_once()).action is Action.WAIT
     again = api.read(COMPUTE_DOMAIN_CLIQUES, "ns", name)
     assert again is not None
-    assert {d["nodeName"]: d["index"] for d in again["daemons"]} == {"peer": 1, "me": 0}
+    assert {d["nodeName"]: d["index"] for d in again["daemons"]} == {"peer": theirs, "me": mine}
     assert (await sync.sync_once()).action is Action.NONE
     assert process.calls == ["start", "reload"]
