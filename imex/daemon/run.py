@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +40,8 @@ from computedomain.http import Answer, EndpointError, HttpServer, start_http
 from computedomain.kube.client import PODS, KubeClient
 from computedomain.kube.converge import Retries
 from computedomain.kube.errors import KubeError
+from computedomain.kube.informer import Informer
+from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.version import UnsupportedServerError, require_supported
 from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
 from imex.daemon.check import check
@@ -166,12 +168,17 @@ async def run_daemon(
             await client.close()
 
 
-async def serve_check(settings: DaemonSettings) -> HttpServer | None:
-    """The probes' endpoint: ``GET /ready`` runs ``check`` (the ctl, with its deadline) on every request."""
+async def serve_check(settings: DaemonSettings, caches: Sequence[Informer[Any]] = ()) -> HttpServer | None:
+    """The probes' endpoint: ``GET /ready`` runs ``check`` (the ctl, with its deadline) on every request, and
+    answers 503 while one of ``caches`` is refused (a Forbidden list or watch: the message names the verb and
+    the resource), since a daemon that cannot see its peers or its pod is not serving its domain."""
     if not settings.check_port:
         return None
 
     async def ready() -> Answer:
+        refused = informer_problems(*caches)
+        if refused:
+            return 503, "text/plain; charset=utf-8", ("; ".join(refused) + "\n").encode()
         result = await check(settings)
         return 200 if result.ready else 503, "text/plain; charset=utf-8", f"{result.message}\n".encode()
 
@@ -180,19 +187,22 @@ async def serve_check(settings: DaemonSettings) -> HttpServer | None:
 
 
 async def _run(settings: DaemonSettings, client: KubeClient, stop: asyncio.Event) -> int:
+    caches: list[Informer[Any]] = []  # filled once the daemon is built; the probes read it
     try:
-        probes = await serve_check(settings)
+        probes = await serve_check(settings, caches)
     except (EndpointError, OSError) as exc:
         log.error("cannot answer the probes on %s port %d: %s", settings.pod_ip, settings.check_port, exc)
         return 1
     try:
-        return await _registered(settings, client, stop)
+        return await _registered(settings, client, stop, caches)
     finally:
         if probes is not None:
             await probes.cleanup()
 
 
-async def _registered(settings: DaemonSettings, client: KubeClient, stop: asyncio.Event) -> int:
+async def _registered(
+    settings: DaemonSettings, client: KubeClient, stop: asyncio.Event, caches: list[Informer[Any]]
+) -> int:
     log.info(
         "starting daemon node=%s pod=%s/%s ip=%s cd=%s clique=%r dns_names=%s cliques=%s",
         settings.node_name,
@@ -219,6 +229,7 @@ async def _registered(settings: DaemonSettings, client: KubeClient, stop: asynci
 
     daemon = build(settings, client)
     assert daemon.registry and daemon.process and daemon.peers and daemon.readiness
+    caches += [daemon.peers.informer, daemon.readiness.informer]
     exit_code = 0
     try:
         write_imex_config(settings)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
+from computedomain.kube.informer import Informer
 from computedomain.kube.transport import Endpoint, Transport
 from computedomain.settings import load_settings
 from imex.daemon.check import check, is_ready_output, report
@@ -97,7 +99,10 @@ async def test_the_daemon_answers_its_probes_with_the_check(tmp_path: Path) -> N
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     daemon = settings(tmp_path, IMEX_CTL_BINARY=str(ctl), POD_IP="127.0.0.1", CHECK_PORT=str(port))
-    server = await serve_check(daemon)
+    peers: Informer[object] = Informer(
+        KubeClient(Transport(Endpoint("http", "127.0.0.1", 9))), COMPUTE_DOMAIN_CLIQUES, decode=lambda raw: raw
+    )
+    server = await serve_check(daemon, [peers])
     assert server is not None
     transport = Transport(Endpoint("http", "127.0.0.1", port))
     try:
@@ -106,6 +111,10 @@ async def test_the_daemon_answers_its_probes_with_the_check(tmp_path: Path) -> N
         state.write_text("READY")
         ready = await transport.request("GET", "/ready", within=5)
         assert (ready.status, ready.body) == (200, b"READY\n")
+        # A cache the apiserver refuses (as the informer records a Forbidden list or watch): unready, and why.
+        peers.failure = "forbidden: watch computedomaincliques in ns: grant it"
+        refused = await transport.request("GET", "/ready", within=5)
+        assert (refused.status, refused.body) == (503, b"forbidden: watch computedomaincliques in ns: grant it\n")
         assert (await transport.request("GET", "/healthz", within=5)).status == 200
     finally:
         await transport.close()
