@@ -7,60 +7,28 @@ from typing import Any
 
 import pytest
 
-from computedomain.api.constants import (
-    CLIQUE_LABEL,
-    COMPUTE_DOMAIN_FINALIZER,
-    COMPUTE_DOMAIN_LABEL,
-    TEMPLATE_TARGET_LABEL,
-)
+from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
+from computedomain.controller.claim_templates import workload_template
+from computedomain.controller.daemonset import daemonset
 from tests.cluster.controller.conftest import Harness, eventually
 from tests.cluster.controller.test_lifecycle import children_of
 from tests.conftest import MakeNode
+from tests.unit.controller.helpers import compute_domain
 
 pytestmark = pytest.mark.cluster
 
 
-def _orphan_daemonset(ns: str, uid: str) -> dict[str, Any]:
-    labels = {COMPUTE_DOMAIN_LABEL: uid}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "DaemonSet",
-        "metadata": {
-            "name": f"computedomain-daemon-{uid}",
-            "namespace": ns,
-            "labels": labels,
-            "finalizers": [COMPUTE_DOMAIN_FINALIZER],
-        },
-        "spec": {
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {"nodeSelector": labels, "containers": [{"name": "c", "image": "x"}]},
-            },
-        },
-    }
-
-
-def _orphan_template(ns: str, name: str, uid: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {
-            "name": name,
-            "namespace": ns,
-            "labels": {COMPUTE_DOMAIN_LABEL: uid, TEMPLATE_TARGET_LABEL: "Workload"},
-            "finalizers": [COMPUTE_DOMAIN_FINALIZER],
-        },
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {"name": "channel", "exactly": {"deviceClassName": "compute-domain-default-channel.nvidia.com"}}
-                    ]
-                }
-            }
-        },
-    }
+def _orphans(h: Harness, uid: str, extra_ns: str) -> list[dict[str, Any]]:
+    """What the controller made for domain ``uid`` (DaemonSets in two managed namespaces and the workload
+    template), as its own builders write them: the sweep removes only objects that are what it makes, never a
+    foreign object that merely carries the label."""
+    settings = h.settings(ADDITIONAL_NAMESPACES=extra_ns)
+    cd = compute_domain(uid=uid, namespace=h.cd_ns, template="left-behind")
+    in_extra = daemonset(cd, settings)
+    in_extra["metadata"]["namespace"] = extra_ns
+    template = workload_template(cd, settings)
+    del template["metadata"]["ownerReferences"]  # the domain is gone: the sweep, not the GC, must remove it
+    return [daemonset(cd, settings), in_extra, template]
 
 
 async def test_orphans_of_a_vanished_domain_are_swept_at_start(harness: Harness, make_node: MakeNode) -> None:
@@ -69,9 +37,8 @@ async def test_orphans_of_a_vanished_domain_are_swept_at_start(harness: Harness,
     h.kubectl("create", "namespace", extra_ns)
     try:
         gone = str(uuid.uuid4())  # a domain that no longer exists
-        h.cluster.apply(_orphan_daemonset(h.driver_ns, gone))
-        h.cluster.apply(_orphan_daemonset(extra_ns, gone))
-        h.cluster.apply(_orphan_template(h.cd_ns, "left-behind", gone))
+        for orphan in _orphans(h, gone, extra_ns):
+            h.cluster.apply(orphan)
         node = make_node(clique="c0ffee.4")["metadata"]["name"]
         h.kubectl("label", "node", node, f"{COMPUTE_DOMAIN_LABEL}={gone}")
         assert len(children_of(h, gone)["daemonsets"]) == 2
