@@ -22,6 +22,7 @@ behind, on the cluster or on the nodes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -356,10 +357,15 @@ async def test_running_domain_survives_the_switch_and_is_deleted_cleanly(cluster
             daemons = daemon_pods(sim, uid)
             new_daemon = daemons[joining.name]
             assert new_daemon["spec"]["containers"][0]["command"] == list(DAEMON_COMMAND)
-            (members,) = clique_entries(sim, uid).values()
-            assert set(members) == {n.name for n in sim.topology}
-            indices = [int(e["index"]) for e in members.values()]
-            assert len(set(indices)) == 3 and {e["status"] for e in members.values()} == {"Ready"}
+
+            def three_ready() -> dict[str, Raw] | None:
+                # A daemon of the clique reloads its IMEX peers when one joins, and is briefly not Ready.
+                (entries,) = clique_entries(sim, uid).values()
+                ok = set(entries) == {n.name for n in sim.topology}
+                return entries if ok and {e["status"] for e in entries.values()} == {"Ready"} else None
+
+            members = await until(sim, "three daemons Ready in the clique", three_ready)
+            assert len({int(e["index"]) for e in members.values()}) == 3
             assert sim.runner is not None
             worker = sim.runner.worker(ns, new_daemon["metadata"]["name"])
             assert worker is not None
@@ -383,3 +389,44 @@ async def test_running_domain_survives_the_switch_and_is_deleted_cleanly(cluster
             await until(
                 sim, "the domain's /imexd directories removed", lambda: not any(d.exists() for d in domain_dirs)
             )
+
+
+async def test_with_the_reference_crds_left_the_controller_says_so_once_and_stops_writing(cluster: Cluster) -> None:
+    """`crds.upgrade=false` and the reference's CRDs not applied yet: the apiserver prunes status.conditions.
+    The controller says so once (a WARNING line, one Event) and does not rewrite the status it cannot store:
+    each reconcile used to write it again, and each write caused the next reconcile."""
+    config = SimConfig(
+        racks=1, trays_per_rack=1, non_fabric=0, helm_set=["crds.upgrade=false", "controller.replicas=1"]
+    )
+    with crds_as_the_reference_ships_them(cluster):
+        async with SimCluster(cluster.local, config) as sim:
+            await sim.wait_installed()
+            sim.apply(sim.compute_domain(CD, num_nodes=1))
+
+            def dropped() -> list[Raw]:
+                out = sim.kubectl(
+                    "get", "events", "-n", sim.workload_ns, "-o", "json",
+                    "--field-selector", f"involvedObject.name={CD},reason=StatusConditionsDropped",
+                )  # fmt: skip
+                items: list[Raw] = json.loads(out)["items"]
+                return items
+
+            (event,) = await until(sim, "the StatusConditionsDropped Event", dropped)
+            cd = sim.get("computedomain", CD, sim.workload_ns)
+            assert cd is not None and cd["status"]["status"] == "NotReady" and "conditions" not in cd["status"]
+            # Reconciles with nothing new to write (each annotation change is one), then a window in which a
+            # write loop would have written many times (each write is a watch event and the next reconcile).
+            for i in range(5):
+                sim.kubectl("annotate", "computedomain", CD, "-n", sim.workload_ns, f"test/poke={i}", "--overwrite")
+            poked = (sim.get("computedomain", CD, sim.workload_ns) or {})["metadata"]["resourceVersion"]
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                now = sim.get("computedomain", CD, sim.workload_ns) or {}
+                assert now["metadata"]["resourceVersion"] == poked, "the controller wrote the status again"
+                await asyncio.sleep(0.2)
+            (again,) = dropped()
+            assert again["metadata"]["uid"] == event["metadata"]["uid"] and again.get("count", 1) == 1
+            assert sim.runner is not None
+            (controller,) = sim.items("pods", sim.driver_ns, "app.kubernetes.io/component=controller")
+            log = sim.runner.pod_log(sim.driver_ns, controller["metadata"]["name"], "compute-domain")
+            assert log.count("the apiserver dropped status.conditions") == 1, log
