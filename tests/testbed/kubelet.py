@@ -195,6 +195,17 @@ class KubeletStandIn:
             log.info("registered driver=%s endpoint=%s", client.info.name, client.info.endpoint)
             self._enqueue_all()
 
+    def record_prepared(self, pod: Raw, ref: ClaimRef, driver: str, cdi_ids: Iterable[str]) -> None:
+        """`ref` of `pod` was prepared by a driver no longer registered here, as the kubelet's own checkpoint
+        remembers it when one plugin replaces another under running pods: this stand-in calls no Prepare for it
+        (and lets the pod run), and calls Unprepare on whichever plugin serves `driver` when the pod goes."""
+        meta = pod["metadata"]
+        key = object_key(meta["namespace"], meta["name"])
+        cached = self.claims.setdefault(ref.uid, CachedClaim(ref, (driver,)))
+        cached.pods.add(key)
+        cached.prepared, cached.cdi_ids = True, tuple(cdi_ids)
+        self._mark(key)
+
     # -- pod queue (one worker per pod at a time, dirty marks coalesce)
 
     def _enqueue_pod(self, pod: Raw) -> None:

@@ -14,7 +14,8 @@ to this service loses nothing build its leftovers instead, as its documentation 
 Where these differ from the real thing: the checksums are fixed numbers (FNV-32a over Go's deep print
 cannot be produced outside Go, and nothing checks them); the DaemonSet's container runs this project's IMEX
 daemon under the reference's peer names (`compute-domain-daemon-NNNN`), because the reference's daemon
-binary is not available here, and its command therefore is not the reference's `compute-domain-daemon`.
+binary is not available here: the simulated cluster's pod runner runs it for the reference's command
+`compute-domain-daemon` (`tests/testbed/sim/containers.py`).
 """
 
 from __future__ import annotations

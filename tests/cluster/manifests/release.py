@@ -4,22 +4,26 @@ the apiserver sees the pod's real identity, node name included)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from tests.conftest import REPO, Cluster
+from tests.testbed.reference import reference_crds
 
 CHART = REPO / "manifests" / "helm" / "compute-domain"
 HELM = REPO / ".cluster" / "bin" / "helm"
 SELECT_LABEL = "compute-domain.test/chart"
+CRDS = REPO / "manifests" / "crds"
 
 
 def helm(cluster: Cluster, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -161,3 +165,32 @@ def mark_succeeded(cluster: Cluster, pod: dict[str, Any]) -> None:
         "patch", "pod", pod["metadata"]["name"], "-n", pod["metadata"]["namespace"], "--subresource=status",
         "--type=merge", "-p", json.dumps(patch),
     )  # fmt: skip
+
+
+# --- CRDs left by the reference ---------------------------------------------------------------------------------
+
+
+def chart_crds() -> list[dict[str, Any]]:
+    return [yaml.safe_load(p.read_text()) for p in sorted(CRDS.glob("*.yaml"))]
+
+
+def replace_crd_spec(cluster: Cluster, crd: dict[str, Any]) -> None:
+    """PUT the CRD with this spec, leaving its metadata alone (`kubectl replace -f` would rewrite the
+    last-applied annotation that the session's `kubectl apply` of the CRDs relies on)."""
+    name = crd["metadata"]["name"]
+    current = cluster.get("crd", name)
+    path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
+    cluster.kubectl("replace", "--raw", path, "-f", "-", input=json.dumps({**current, "spec": crd["spec"]}))
+
+
+@contextlib.contextmanager
+def crds_as_the_reference_ships_them(cluster: Cluster) -> Iterator[None]:
+    """The shared cluster's CRDs turned into the reference's (no status.conditions, short names or printer
+    columns) for the block; the chart's again afterwards."""
+    for crd in reference_crds(chart_crds()):
+        replace_crd_spec(cluster, crd)
+    try:
+        yield
+    finally:
+        for crd in chart_crds():
+            replace_crd_spec(cluster, crd)

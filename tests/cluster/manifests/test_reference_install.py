@@ -5,14 +5,12 @@ as they are."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -22,6 +20,8 @@ from tests.cluster.manifests.release import (
     CHART,
     HELM,
     SELECT_LABEL,
+    chart_crds,
+    crds_as_the_reference_ships_them,
     helm,
     install_args,
     mark_succeeded,
@@ -35,7 +35,6 @@ from tests.conftest import REPO, Cluster, MakeNode
 pytestmark = pytest.mark.cluster
 
 REFERENCE_VALUES = REPO / "manifests" / "examples" / "values-from-reference.yaml"
-CRDS = REPO / "manifests" / "crds"
 RELEASE = "cd"
 
 
@@ -131,32 +130,6 @@ def test_reference_values_file_installs(
 # --- CRDs left by the reference ---------------------------------------------------------------------------------
 
 
-def reference_shaped(crd: dict[str, Any]) -> dict[str, Any]:
-    """Our CRD as the reference ships it (controller-gen v0.17, reference docs): the same group, names,
-    versions and spec schema, without status.conditions, short names and printer columns."""
-    old = copy.deepcopy(crd)
-    old["spec"]["names"].pop("shortNames", None)
-    for version in old["spec"]["versions"]:
-        version.pop("additionalPrinterColumns", None)
-        status = version["schema"]["openAPIV3Schema"]["properties"].get("status")
-        if status:
-            status["properties"].pop("conditions", None)
-    return old
-
-
-def _crds() -> list[dict[str, Any]]:
-    return [yaml.safe_load(p.read_text()) for p in sorted(CRDS.glob("*.yaml"))]
-
-
-def _replace(cluster: Cluster, crd: dict[str, Any]) -> None:
-    """PUT the CRD with this spec, leaving its metadata alone (`kubectl replace -f` would rewrite the
-    last-applied annotation that the session's `kubectl apply` of the CRDs relies on)."""
-    name = crd["metadata"]["name"]
-    current = cluster.get("crd", name)
-    path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
-    cluster.kubectl("replace", "--raw", path, "-f", "-", input=json.dumps({**current, "spec": crd["spec"]}))
-
-
 def _condition_survives(cluster: Cluster, name: str, ns: str) -> bool:
     cd = cluster.get("computedomain", name, ns)
     condition = {
@@ -171,14 +144,8 @@ def _condition_survives(cluster: Cluster, name: str, ns: str) -> bool:
 
 @pytest.fixture
 def reference_crds(cluster: Cluster) -> Iterator[None]:
-    """The shared cluster's CRDs turned into the reference's for the test; ours again afterwards."""
-    for crd in _crds():
-        _replace(cluster, reference_shaped(crd))
-    try:
+    with crds_as_the_reference_ships_them(cluster):
         yield
-    finally:
-        for crd in _crds():
-            _replace(cluster, crd)
 
 
 def test_old_reference_crds_are_brought_up_to_date(
@@ -224,7 +191,7 @@ def test_old_reference_crds_are_brought_up_to_date(
         "columns, status.conditions no)" in log.read_text()  # fmt: skip
 
     # The CRDs are the chart's now; the ComputeDomain stored under the old one is untouched.
-    for crd in _crds():
+    for crd in chart_crds():
         live = cluster.get("crd", crd["metadata"]["name"])["spec"]
         assert live["names"].get("shortNames") == crd["spec"]["names"].get("shortNames")
         for got, want in zip(live["versions"], crd["spec"]["versions"], strict=True):

@@ -51,9 +51,13 @@ def clique_entries(sim: SimCluster, cd_uid: str) -> dict[str, dict[str, dict[str
 
 
 def daemon_pods(sim: SimCluster, cd_uid: str) -> dict[str, dict[str, Any]]:
-    """node -> the (not terminating) daemon pod of the CD there."""
+    """node -> the (scheduled, not terminating) daemon pod of the CD there."""
     pods = sim.items("pods", sim.driver_ns, f"{COMPUTE_DOMAIN_LABEL}={cd_uid}")
-    return {p["spec"]["nodeName"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
+    return {
+        p["spec"]["nodeName"]: p
+        for p in pods
+        if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
+    }
 
 
 def pod_events(sim: SimCluster, name: str) -> list[str]:

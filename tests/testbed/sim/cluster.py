@@ -8,7 +8,8 @@ What `__aenter__` does, in order: lay out the node trees (`topology`); start a k
 only this simulation's nodes (so its stages are the current `tests/testbed/kwok-stages.yaml`, and other
 tests' nodes are not ours); create the Nodes; start one kubelet stand-in per node (`tests/testbed/kubelet.py`:
 plugin registration, Prepare before a pod with claims may run, Unprepare before it may go); start the pod
-runner (`pods`); in hostManaged mode start the host IMEX services (`hostimex`); `helm install` the chart.
+runner (`pods`); in hostManaged mode start the host IMEX services (`hostimex`); `helm install` the chart
+(`SimConfig.install`; else the test calls `install` when it is ready).
 
 The chart is installed as an operator would, plus what sharing a cluster with other tests needs: node
 selectors that keep the controller and node agents on this simulation's nodes, the DeviceClasses left out
@@ -79,6 +80,9 @@ class SimConfig:
     kubelet_backoff_s: float = 2.0
     log_level: str = "info"
     keep_root: bool = False
+    # False: `__aenter__` stops before `helm install` (nodes, kubelets and pod runner up); `install` later,
+    # for tests that first build what another driver left on the nodes.
+    install: bool = True
 
 
 def start_kwok(
@@ -286,9 +290,15 @@ class SimCluster:
         await asyncio.to_thread(self.kubectl, "wait", "--for=condition=Ready", "--timeout=120s",
                                 *[f"node/{n.name}" for n in self.topology])  # fmt: skip
         self.timings["nodes"] = time.monotonic() - start
-        await asyncio.to_thread(self._helm_install)
+        if self.config.install:
+            await self.install()
+
+    async def install(self, *args: str) -> None:
+        """`helm install` the chart with the simulation's values (`helm_values`) and `args` after them."""
+        start = time.monotonic()
+        await asyncio.to_thread(self._helm_install, *args)
         self.installed = True
-        self.timings["helm install"] = time.monotonic() - start - self.timings["nodes"]
+        self.timings["helm install"] = time.monotonic() - start
 
     def helm_values(self) -> list[str]:
         def esc(key: str) -> str:
@@ -310,11 +320,11 @@ class SimCluster:
             values += ["featureGates.HostManagedIMEXDaemon=true", "resources.computeDomains.imex.mode=hostManaged"]
         return values + self.config.helm_set
 
-    def _helm_install(self) -> None:
+    def _helm_install(self, *extra: str) -> None:
         args = ["install", self.config.release, str(CHART), "--namespace", self.driver_ns]
         for item in self.helm_values():
             args += ["--set", item]
-        self.helm(*args)
+        self.helm(*args, *extra)
 
     def _start_kwok(self) -> None:
         self._kwok = start_kwok(self.local, self.kwok_value, self.log_dir / "kwok.log")

@@ -14,7 +14,8 @@ strings the process receives instead:
   container port becomes `<pod IP>:port`; a bare declared port number stays as it is when the process is
   told its pod IP (an env value equal to it, e.g. `POD_IP` from `status.podIP`: it binds that address),
   and is otherwise (a process that binds all interfaces) remapped to a free port that the probes then use;
-- `python` is this interpreter (the image's Python with the same packages).
+- `python` is this interpreter (the image's Python with the same packages); the reference driver's
+  `compute-domain-daemon` is this project's IMEX daemon (`python -m imex daemon`, a stand-in).
 """
 
 from __future__ import annotations
@@ -152,9 +153,16 @@ class ContainerPlan:
         return self.port_map.get(number, (pod_ip, number))
 
 
+# The reference driver's IMEX daemon binary (its DaemonSets run `compute-domain-daemon run`, probe with
+# `... check`): not available here, so this project's daemon stands in for it (tests/testbed/reference.py).
+REFERENCE_DAEMON: Final = "compute-domain-daemon"
+
+
 def local_argv(command: list[str]) -> list[str]:
     if command and command[0] in ("python", "python3"):
         return [sys.executable, *command[1:]]
+    if command and command[0] == REFERENCE_DAEMON:
+        return [sys.executable, "-m", "imex", "daemon", *command[1:]]
     return list(command)
 
 

@@ -188,7 +188,9 @@ def test_helm_refuses_a_cluster_older_than_1_34() -> None:
 
     def template(version: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [helm, "template", "t", str(CHART), "--kube-version", version], capture_output=True, text=True
+            [helm, "template", "t", str(CHART), "-n", "cd-system", "--kube-version", version],
+            capture_output=True,
+            text=True,
         )
 
     old = template("1.33.4")

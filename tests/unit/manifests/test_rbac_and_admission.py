@@ -48,7 +48,7 @@ CONTROLLER = (
     | _v("resource.k8s.io", "resourceclaimtemplates", *READ, "create", "patch", "delete")
     | _v("", "nodes", *READ, "patch")
     | _v("", "events", "create", "patch")
-    | _v("apps", "daemonsets", *READ, "create", "patch", "delete")
+    | _v("apps", "daemonsets", *READ, "create", "update", "patch", "delete")
     | _v("", "pods", *READ)
     | _v("resource.nvidia.com", "computedomaincliques", *READ, "update", "delete")
     | _v("coordination.k8s.io", "leases", "create", "get", "list", "watch", "update")
@@ -66,7 +66,9 @@ NODE_AGENT = (
 NODE_AGENT_DAEMONS = (
     _v("resource.nvidia.com", "computedomaincliques", *READ) | _v("", "pods", "get") | _v("apps", "daemonsets", "get")
 )
-DAEMON = _v("resource.nvidia.com", "computedomaincliques", *READ, "create", "update") | _v("", "pods", *READ, "patch")
+DAEMON = _v("resource.nvidia.com", "computedomaincliques", *READ, "create", "update", "patch") | _v(
+    "", "pods", *READ, "patch"
+)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from computedomain.settings import ControllerSettings, FeatureGate, PluginSettin
 from tests.unit.manifests.chart import CHART, REPO, Rendered, container, env_of, render, template_error
 
 REFERENCE_VALUES = REPO / "manifests" / "examples" / "values-from-reference.yaml"
-MIGRATION_DOC = REPO / "docs" / "migrating-from-reference.md"
+MIGRATION_DOC = REPO / "docs" / "migrate.md"
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 FIELDS = {
     "metadata.name": "pod-1",

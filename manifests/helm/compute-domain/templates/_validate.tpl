@@ -164,7 +164,7 @@ and compares the text with SettingsError's.
 {{- end -}}
 
 {{/*
-The reference chart's keys and shapes (docs/migrating-from-reference.md): what this chart honours is
+The reference chart's keys and shapes (docs/migrate.md): what this chart honours is
 checked here, what it cannot honour fails with what to use instead. The default-namespace rule comes last.
 */}}
 {{- define "cd.validateReference" -}}
