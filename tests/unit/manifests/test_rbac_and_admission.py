@@ -88,7 +88,7 @@ def test_exact_grants(default: Rendered) -> None:
     assert _grants(render(*HOST_MANAGED), "daemon") == set()
     legacy = render("featureGates.ComputeDomainCliques=false")
     assert _grants(legacy, "daemon") == DAEMON | _v("resource.nvidia.com", "computedomains", *READ) | _v(
-        "resource.nvidia.com", "computedomains/status", "update"
+        "resource.nvidia.com", "computedomains/status", "patch"
     )
 
 
