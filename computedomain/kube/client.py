@@ -408,12 +408,29 @@ class KubeClient:
         """One API call with the call-level retries; the decoded JSON object. Errors carry the request. An
         object that breaks a decoding bound is a ``Permanent`` error naming the field and the limit."""
         path = resource.path(namespace=namespace, name=name, subresource=subresource)
+        return await self._object(
+            method, path, verb, resource.plural, resource.qualified, namespace, query, body, content_type
+        )
+
+    async def _object(
+        self,
+        method: str,
+        path: str,
+        verb: str,
+        resource: str,
+        qualified: str,
+        namespace: str | None,
+        query: Query | None = None,
+        body: Any = None,
+        content_type: str = _JSON,
+    ) -> Raw:
+        """``_call`` for a path: the response decoded within the bounds of one object."""
         data = await self._request(
             method,
             path,
             verb=verb,
-            resource=resource.plural,
-            qualified=resource.qualified,
+            resource=resource,
+            qualified=qualified,
             namespace=namespace,
             query=query,
             body=body,
@@ -423,14 +440,14 @@ class KubeClient:
         try:
             decoded = decode(data) if data else None
         except DecodeError as exc:
-            raise Permanent(f"{verb} {path}: {exc}").for_request(verb, resource.qualified, namespace) from None
+            raise Permanent(f"{verb} {path}: {exc}").for_request(verb, qualified, namespace) from None
         if decoded is None:
             return {}
         if not isinstance(decoded.value, dict):
             raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded.value).__name__}")
         if decoded.cuts:
             reason = decoded.reason(decoded.cuts[0])
-            raise Permanent(f"{verb} {path}: {reason}").for_request(verb, resource.qualified, namespace)
+            raise Permanent(f"{verb} {path}: {reason}").for_request(verb, qualified, namespace)
         return decoded.value
 
     async def _request(
@@ -482,25 +499,7 @@ class KubeClient:
     async def discover(self, path: str) -> Raw:
         """GET a discovery document (``/version``, ``/apis/<group>``), with the same deadline and retries."""
         label = path.strip("/").replace("/", "_") or "root"
-        data = await self._request(
-            "GET",
-            path,
-            verb="get",
-            resource=label,
-            qualified=label,
-            namespace=None,
-            query=None,
-            body=None,
-            content_type=_JSON,
-            max_bytes=MAX_OBJECT_BYTES,
-        )
-        try:
-            decoded = decode(data) if data else None
-        except DecodeError as exc:
-            raise Permanent(f"get {path}: {exc}") from None
-        if decoded is None or not isinstance(decoded.value, dict) or decoded.cuts:
-            raise Permanent(f"get {path}: not a bounded JSON object")
-        return decoded.value
+        return await self._object("GET", path, "get", label, label, None)
 
     async def _throttle(self) -> None:
         waited = await self._bucket.acquire()
