@@ -7,7 +7,8 @@ chunked transfer, keep-alive rules); this module only moves bytes between it and
 
 Why not a general HTTP client: the service needs a dozen lines of HTTP (one host, JSON bodies, bearer or
 client-certificate auth, streamed watches), and a general client plus the generated Kubernetes client cost
-every process about 1,300 imported modules and 60 MiB before any work. Design note 0011 has the numbers.
+every process about 1,300-1,500 imported modules and 60 MiB before any work; with this module a process
+imports about 280-450 (count them with ``python -X importtime``).
 
 Failures are ``TransportError`` (an ``OSError``: the caller maps it to ``Transient``) or ``TimeoutError``.
 A pooled connection that the server closed while idle is found out on reuse and the request goes once more
