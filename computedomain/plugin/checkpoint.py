@@ -148,6 +148,9 @@ class PreparedResource(_Model):
     node_label: NodeLabel | None = Field(None, alias="nodeLabel")
     # Per-domain host directory mounted at /imexd (daemon claims).
     domain_dir: str | None = Field(None, alias="domainDir")
+    # Channel isolation: the clique whose ComputeDomainClique lists this claim for the domain's channel
+    # (undo takes it off there). Claims of the same domain may share such a channel on a node.
+    clique_id: str | None = Field(None, alias="cliqueID")
 
 
 class CheckpointDevice(_Model):
@@ -229,15 +232,24 @@ def check_prepare(cp: Checkpoint, uid: str, fingerprint: str) -> ClaimEntry | No
     return None
 
 
-def channel_holder(cp: Checkpoint, channels: Iterable[int], except_uid: str) -> tuple[int, str] | None:
-    """(channel, uid) of another completed claim that still holds one of channels, if any."""
+def channel_holder(
+    cp: Checkpoint, channels: Iterable[int], except_uid: str, *, domain: str | None = None
+) -> tuple[int, str] | None:
+    """(channel, uid) of another completed claim that still holds one of channels, if any. With ``domain``
+    (a channel of that domain under channel isolation), completed claims of the same domain do not count:
+    all claims of a domain on a node get its one channel."""
     wanted = set(channels)
     if not wanted:
         return None
     for entry in cp.in_state(ClaimState.PREPARE_COMPLETED):
         if entry.uid == except_uid:
             continue
-        taken = wanted & entry.channels
+        held = (
+            entry.channels
+            if domain is None
+            else {c for r in entry.resources if r.domain_id != domain for c in r.channels}
+        )
+        taken = wanted & held
         if taken:
             return min(taken), entry.uid
     return None
@@ -270,7 +282,10 @@ def begin_prepare(
     resources = tuple(resources)
     if check_prepare(cp, uid, fingerprint) is not None:
         raise InvalidTransitionError(f"claim {uid} is already PrepareCompleted; return its devices instead")
-    held = channel_holder(cp, (c for r in resources for c in r.channels), except_uid=uid)
+    held = channel_holder(cp, (c for r in resources if r.clique_id is None for c in r.channels), except_uid=uid)
+    for resource in resources:
+        if held is None and resource.clique_id is not None:
+            held = channel_holder(cp, resource.channels, except_uid=uid, domain=resource.domain_id)
     if held is not None:
         raise ChannelInUseError(*held)
     old = cp.get(uid)
