@@ -304,6 +304,21 @@ def begin_prepare(
     return cp.with_entry(entry)
 
 
+def record_channel(cp: Checkpoint, uid: str, resource: PreparedResource, channel: int, *, now: datetime) -> Checkpoint:
+    """Channel isolation: the started claim's ``resource`` (its domain's channel in a clique, not known when
+    the entry was begun) gets ``channel``. Raises ChannelInUseError while a completed claim of another domain
+    on this node still holds it, InvalidTransitionError unless the claim is PrepareStarted with that resource."""
+    entry = cp.get(uid)
+    if entry is None or entry.state is not ClaimState.PREPARE_STARTED or resource not in entry.resources:
+        raise InvalidTransitionError(f"claim {uid} has no started resource {resource} to record a channel for")
+    held = channel_holder(cp, (channel,), except_uid=uid, domain=resource.domain_id)
+    if held is not None:
+        raise ChannelInUseError(*held)
+    updated = resource.model_copy(update={"channels": (channel,)})
+    resources = _merge((), (updated if r == resource else r for r in entry.resources))
+    return cp.with_entry(entry.model_copy(update={"resources": resources, "updated_at": now}))
+
+
 def complete_prepare(cp: Checkpoint, uid: str, devices: Iterable[CheckpointDevice], *, now: datetime) -> Checkpoint:
     """PrepareStarted -> PrepareCompleted, once every side effect is in place."""
     entry = cp.get(uid)

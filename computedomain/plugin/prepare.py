@@ -59,9 +59,10 @@ from computedomain.plugin.checkpoint import (
     check_prepare,
     complete_prepare,
     finish_unprepare,
+    record_channel,
     undo_plan,
 )
-from computedomain.plugin.claim_plan import ClaimPlan, ClaimPlanner, DevicePlan
+from computedomain.plugin.claim_plan import ClaimPlanner, DevicePlan
 from computedomain.plugin.collaborators import (
     ChannelAssignments,
     ClaimReader,
@@ -294,7 +295,7 @@ class Preparer:
             devices_planned = list(plan.devices)
             for i, device in enumerate(devices_planned):
                 if device.isolated:
-                    devices_planned[i] = device = await self._acquire_channel(ref, plan, device, deadline)
+                    devices_planned[i] = device = await self._acquire_channel(ref, device, deadline)
                 edits[device.resolved.device.device] = await self.effects.apply(device, deadline)
             spec = ClaimSpec(ref.uid, edits)
             await self.run_blocking(self.cdi.write, spec)
@@ -312,7 +313,7 @@ class Preparer:
         )
         return PrepareResult(devices=tuple(_to_prepared(d) for d in devices))
 
-    async def _acquire_channel(self, ref: ClaimRef, plan: ClaimPlan, device: DevicePlan, deadline: float) -> DevicePlan:
+    async def _acquire_channel(self, ref: ClaimRef, device: DevicePlan, deadline: float) -> DevicePlan:
         """Channel isolation: hold the domain's channel in this clique (listed in its record before anything
         is injected), then record it in the checkpoint, whose guard refuses it while another domain's claim
         on this node still holds it."""
@@ -327,24 +328,9 @@ class Preparer:
         )
         if device.resource.channels == (channel,):
             return device
-        acquired = device.with_channel(channel)
         now = self._now()
-        await self._update(
-            lambda cp: (
-                begin_prepare(
-                    cp,
-                    uid=ref.uid,
-                    namespace=ref.namespace,
-                    name=ref.name,
-                    fingerprint=plan.fingerprint,
-                    resources=(acquired.resource,),
-                    cdi_spec_files=(),
-                    now=now,
-                ),
-                None,
-            )
-        )
-        return acquired
+        await self._update(lambda cp: (record_channel(cp, ref.uid, device.resource, channel, now=now), None))
+        return device.with_channel(channel)
 
     def _result_device(self, spec: ClaimSpec, device: DevicePlan) -> CheckpointDevice:
         allocated = device.resolved.device
