@@ -8,8 +8,10 @@ with it the channel) cannot go away, so no other domain can be given the channel
 use it. ``ChannelRecords`` (``collaborators.ChannelAssignments``) does this node's part:
 
 * ``acquire``: list the claim in the record (creating the record, which is the request for a channel, when
-  it does not exist yet), then wait, on watch events, until the record has a channel; check it (below the
-  node's ``ImexChannelCount``; no other domain's record in the clique names it) and return it. Without a
+  it does not exist yet), then wait, on watch events, until that record (the UID the API answered the
+  write with: a lagging cache may still show an earlier record of the name, deleted since, whose channel
+  is another domain's by now) has a channel; check it (below the node's ``ImexChannelCount``; no other
+  domain's record in the clique names it) and return it. Without a
   channel in time: ``ChannelNotAssignedError`` (retryable), which says what it waits for, and the domain's
   condition when the controller found no channel free;
 * ``release``: take the claim off the record again (Unprepare, and the cleanup for releases that failed);
@@ -172,9 +174,9 @@ class ChannelRecords:
                 return cond.message
         return ""
 
-    def _verdict(self, domain: DomainInfo, clique_id: str, count: int) -> Verdict:
+    def _verdict(self, domain: DomainInfo, clique_id: str, count: int, record: ComputeDomainClique) -> Verdict:
         return evaluate(
-            self.informer.get(clique_name(domain.uid, clique_id), self.namespace),
+            record,
             self.informer.by_index(CLIQUE_INDEX, clique_id),
             domain=domain,
             clique_id=clique_id,
@@ -189,21 +191,31 @@ class ChannelRecords:
     ) -> int:
         if not valid_clique_id(clique_id):
             raise ClaimRejected(f"this node's clique ID {clique_id!r} cannot name a ComputeDomainClique")
-        await self._list_claim(domain, clique_id, claim_uid)
-        name = clique_name(domain.uid, clique_id)
+        listed = await self._list_claim(domain, clique_id, claim_uid)
         try:
             return await run_within(
-                self._clock, max(timeout_s, 0.0), self._until_assigned(domain, clique_id, name, channel_count)
+                self._clock, max(timeout_s, 0.0), self._until_assigned(domain, clique_id, listed, channel_count)
             )
         except TimeoutError:
-            raise ChannelNotAssignedError(self._verdict(domain, clique_id, channel_count).why) from None
+            why = self._verdict(domain, clique_id, channel_count, self._latest(listed)).why
+            raise ChannelNotAssignedError(why) from None
 
-    async def _until_assigned(self, domain: DomainInfo, clique_id: str, name: str, count: int) -> int:
+    def _latest(self, listed: ComputeDomainClique) -> ComputeDomainClique:
+        """The newest known state of ``listed``, the record our claim is listed in (read from the API, not
+        the cache). The cache counts only with the same UID: a cache that lags may still show an earlier
+        record of that name, deleted since, whose channel may belong to another domain by now. ``listed``
+        cannot have been deleted meanwhile: our claim in it holds its finalizer."""
+        seen = self.informer.get(listed.metadata.name, self.namespace)
+        if seen is None or seen.metadata.uid != listed.metadata.uid:
+            return listed
+        return listed if seen.channel is None and listed.channel is not None else seen
+
+    async def _until_assigned(self, domain: DomainInfo, clique_id: str, listed: ComputeDomainClique, count: int) -> int:
         await self.informer.has_synced()
         logged = False
         while True:
-            event = self._waiters.setdefault(name, asyncio.Event())  # before the check: no event is lost
-            verdict = self._verdict(domain, clique_id, count)
+            event = self._waiters.setdefault(listed.metadata.name, asyncio.Event())  # before the check: none lost
+            verdict = self._verdict(domain, clique_id, count, self._latest(listed))
             if verdict.channel is not None:
                 return verdict.channel
             if not logged:
@@ -211,13 +223,18 @@ class ChannelRecords:
                 log.info("waiting for an IMEX channel: %s", verdict.why)
             await event.wait()
 
-    async def _list_claim(self, domain: DomainInfo, clique_id: str, claim_uid: str) -> None:
-        """Make sure the record lists the claim (this is what keeps the channel reserved)."""
+    async def _list_claim(self, domain: DomainInfo, clique_id: str, claim_uid: str) -> ComputeDomainClique:
+        """Make sure the record lists the claim (this is what keeps the channel reserved); returns the record
+        as the API answered. The cache only picks the first write: what it shows may lag (an earlier record of
+        the same name that listed this claim before it was unprepared), so a claim it shows listed, or a record
+        it shows being deleted, is read again live before it counts."""
         name = clique_name(domain.uid, clique_id)
         record = self.informer.get(name, self.namespace)
-        if record is not None and _lists(record, claim_uid):
-            return
+        fresh = False
         for _ in range(_MAX_TRIES):
+            if record is not None and not fresh and (_lists(record, claim_uid) or record.metadata.deletion_timestamp):
+                record, fresh = await self._get(name), True
+                continue
             if record is None:
                 body = {
                     "apiVersion": GROUP_VERSION,
@@ -231,14 +248,14 @@ class ChannelRecords:
                     "preparedClaims": [_entry(claim_uid, self.node_name)],
                 }
                 try:
-                    await self._client.create(COMPUTE_DOMAIN_CLIQUES, body, namespace=self.namespace)
+                    raw = await self._client.create(COMPUTE_DOMAIN_CLIQUES, body, namespace=self.namespace)
                     log.info("asked for an IMEX channel record=%s claim=%s", name, claim_uid)
-                    return
+                    return ComputeDomainClique.model_validate(raw)
                 except AlreadyExists:
-                    record = await self._get(name)
+                    record, fresh = await self._get(name), True
                     continue
             if _lists(record, claim_uid):
-                return
+                return record
             if record.metadata.deletion_timestamp is not None:
                 evaluate(record, (), domain=domain, clique_id=clique_id, channel_count=1)  # raises, saying why
             try:
@@ -247,17 +264,16 @@ class ChannelRecords:
                         "metadata": {"resourceVersion": record.metadata.resource_version},
                         "preparedClaims": [_entry(claim_uid, self.node_name)],
                     }
-                    await self._client.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, patch, namespace=self.namespace)
+                    raw = await self._client.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, patch, namespace=self.namespace)
                 else:
                     op = {"op": "add", "path": "/preparedClaims/-", "value": _entry(claim_uid, self.node_name)}
-                    await self._client.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [op], namespace=self.namespace)
-                return
+                    raw = await self._client.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [op], namespace=self.namespace)
+                return ComputeDomainClique.model_validate(raw)
             except NotFound:
                 record = None  # gone meanwhile: ask again
-            except Invalid:
-                record = await self._get(name)  # listed already (a retried answer got lost)
-            except Conflict:
-                record = await self._get(name)
+            except (Invalid, Conflict):
+                # Listed already (a retried answer got lost, or a lagging cache), or changed meanwhile.
+                record, fresh = await self._get(name), True
         raise RetryableError(f"ComputeDomainClique {name} kept changing while listing claim {claim_uid}")
 
     async def _get(self, name: str) -> ComputeDomainClique | None:
