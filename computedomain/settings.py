@@ -305,7 +305,7 @@ class CommonSettings:
 
     @property
     def channel_isolation(self) -> bool:
-        """Every ComputeDomain gets an IMEX channel of its own per clique (design note 0011)."""
+        """Every ComputeDomain gets an IMEX channel of its own per clique (design note 0012)."""
         return self.imex_isolation is ImexIsolation.CHANNEL
 
     def gate(self, gate: FeatureGate) -> bool:

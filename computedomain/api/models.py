@@ -187,7 +187,7 @@ class ComputeDomainClique(_ApiModel):
     driverManaged: the daemons' registrations; daemons write their own entry, the controller only reads and
     prunes stale ones. hostManaged with IMEX_ISOLATION=channel: the domain's IMEX channel in the clique
     (`channel`, assigned once by the controller) and the claims prepared with it (`preparedClaims`, each
-    node agent its own entries); the channel is free again only once the object is gone (design note 0011).
+    node agent its own entries); the channel is free again only once the object is gone (design note 0012).
     """
 
     api_version: str = Field(GROUP_VERSION, alias="apiVersion")

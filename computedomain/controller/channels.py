@@ -1,7 +1,7 @@
 """The IMEX channel of each ComputeDomain in each clique: the pure half (hostManaged, ``IMEX_ISOLATION=channel``).
 
 With channel isolation every domain gets, in every clique (IMEX domain) its pods run in, an IMEX channel that
-no other domain holds there. The protocol and why it is safe: docs/design/0011-channel-isolation.md. The
+no other domain holds there. The protocol and why it is safe: docs/design/0012-channel-isolation.md. The
 objects, all in the driver namespace:
 
 * the **record** of domain D in clique C: ``ComputeDomainClique <D>.<C>``. A node agent creates it (with our

@@ -8,7 +8,7 @@
   ``ComputeDomainChannelConfig{domainID, allocationMode}``. In hostManaged mode the allocation mode is forced to
   ``Single``: every domain shares channel 0 of the host's IMEX domain. With channel isolation the request's
   class is ``compute-domain-channel.nvidia.com`` instead: any of a node's channel devices, since each is a
-  place for one claim and the node agent injects the domain's own channel (design note 0011).
+  place for one claim and the node agent injects the domain's own channel (design note 0012).
 
 Both carry the CD label (value: CD UID), the target label and our finalizer. The workload template, in the
 domain's own namespace, also names the domain as its controller owner (the garbage collector's backstop; no

@@ -1,5 +1,5 @@
 """Which IMEX channel a claim gets under channel isolation (hostManaged, ``IMEX_ISOLATION=channel``): the node
-agent's half of the protocol in docs/design/0011-channel-isolation.md.
+agent's half of the protocol in docs/design/0012-channel-isolation.md.
 
 The domain's channel in this node's clique is recorded in ``ComputeDomainClique <cdUID>.<cliqueID>`` (driver
 namespace; the controller writes ``channel`` once, see ``controller.channels``). Before a claim may get that
