@@ -14,7 +14,7 @@ from computedomain.kube.clock import Clock, FakeClock, MonotonicClock, run_withi
 from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CapabilityDevice, CdiSpecDir
 from computedomain.plugin.checkpoint import CheckpointStore
-from computedomain.plugin.collaborators import ClaimSnapshot, DomainInfo
+from computedomain.plugin.collaborators import ChannelAssignments, ClaimSnapshot, DomainInfo
 from computedomain.plugin.daemon_owner import OwnerRef, PodFacts
 from computedomain.plugin.failures import (
     ChannelNotAssignedError,
@@ -274,7 +274,9 @@ class Bed:
         clock: Clock | None = None,
         isolated: bool = False,
         channel_devices: int = 4,
+        channels: ChannelAssignments | None = None,
     ) -> None:
+        """``isolated``: channel isolation, with ``channels`` (default: ``FakeChannels``)."""
         self.clock: Clock = clock or MonotonicClock()
         self.tmp = tmp_path
         self.plugin_dir = tmp_path / "plugins" / DRIVER_NAME
@@ -289,7 +291,9 @@ class Bed:
         self.readiness = FakeReadiness(self.clock)
         self.hardware = FakeHardware(clique)
         self.daemon_pods = FakeDaemonPods()
-        self.channels = FakeChannels(self.clock) if isolated else None
+        self.channels: ChannelAssignments | None = None
+        if isolated:
+            self.channels = channels or FakeChannels(self.clock)
         if isolated and host_check is None:
             host_check = host_ready
         self.preparer = Preparer(

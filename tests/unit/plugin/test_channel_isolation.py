@@ -28,7 +28,7 @@ def iso_bed(tmp_path: Path, **kwargs: Any) -> Bed:
 
 
 def fakes(bed: Bed) -> FakeChannels:
-    assert bed.channels is not None
+    assert isinstance(bed.channels, FakeChannels)
     return bed.channels
 
 
