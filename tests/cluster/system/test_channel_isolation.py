@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,6 +247,65 @@ async def test_twenty_domains_at_once_get_distinct_channels_and_each_pod_sees_on
         assert f"IMEX channel {got[name]} in clique" in ready_condition(sim, name)["message"]
     wide = sim.kubectl("get", "computedomains", "-n", sim.workload_ns, "-o", "wide")
     assert "CHANNELS" in wide.splitlines()[0]
+    await monitor.assert_clean()
+
+
+async def test_a_node_agent_may_only_ask_for_a_channel_and_list_its_own_nodes_claims(
+    rack: SimCluster, monitor: Monitor
+) -> None:
+    """The admission policy on channel records, with a node agent's own pod-bound token."""
+    sim = rack
+    assert sim.runner is not None
+    node0, node1 = (n.name for n in sim.topology.nodes[:2])
+    agent = next(
+        p
+        for p in sim.items("pods", sim.driver_ns, "app.kubernetes.io/component=kubelet-plugin")
+        if p["spec"]["nodeName"] == node0
+    )
+    worker = sim.runner.worker(sim.driver_ns, agent["metadata"]["name"])
+    assert worker is not None
+    kubeconfig = worker.dir / "kubeconfig"
+
+    def as_agent(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(sim.local.root / "bin" / "kubectl"), f"--kubeconfig={kubeconfig}", "-n", sim.driver_ns, *args],
+            capture_output=True, text=True, input=input, timeout=60,
+        )  # fmt: skip
+
+    d00 = f"{uid_of(sim, 'd00')}.{next(iter(sim.topology.cliques()))}"
+    before = sim.get("computedomaincliques", d00, sim.driver_ns)
+    assert before is not None
+    own = [{"op": "add", "path": "/preparedClaims/-", "value": {"claimUID": "probe", "nodeName": node0}}]
+    other = [{"op": "add", "path": "/preparedClaims/-", "value": {"claimUID": "probe2", "nodeName": node1}}]
+    # What refuses each: the CRD's write-once rule (it runs before admission), RBAC (no delete), the policy.
+    why = {
+        "a new channel": "channel is assigned once and never changes",
+        "a delete": "cannot delete resource",
+        "another node's claim": "denied request",
+        "a record with a channel": "denied request",
+    }
+    refused = {
+        "a new channel": as_agent("patch", "computedomainclique", d00, "--type=merge", "-p", '{"channel": 99}'),
+        "another node's claim": as_agent("patch", "computedomainclique", d00, "--type=json", "-p", json.dumps(other)),
+        "a delete": as_agent("delete", "computedomainclique", d00, "--wait=false"),
+        "a record with a channel": as_agent("create", "-f", "-", input=json.dumps({
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomainClique",
+            "metadata": {"name": f"{uuid.uuid4()}.{next(iter(sim.topology.cliques()))}"},
+            "channel": 5, "preparedClaims": [{"claimUID": "probe3", "nodeName": node0}],
+        })),
+    }  # fmt: skip
+    for what, result in refused.items():
+        print(f"node agent of {node0} writing {what}: {result.stderr.strip()[:240]}")
+        assert result.returncode != 0 and why[what] in result.stderr, (what, result.stdout, result.stderr)
+    allowed = as_agent("patch", "computedomainclique", d00, "--type=json", "-p", json.dumps(own))
+    assert allowed.returncode == 0, allowed.stderr
+    after = sim.get("computedomaincliques", d00, sim.driver_ns) or {}
+    assert after["channel"] == before["channel"]
+    assert {"claimUID": "probe", "nodeName": node0} in after["preparedClaims"]
+    index = next(i for i, c in enumerate(after["preparedClaims"]) if c["claimUID"] == "probe")
+    removed = as_agent("patch", "computedomainclique", d00, "--type=json", "-p",
+                       json.dumps([{"op": "remove", "path": f"/preparedClaims/{index}"}]))  # fmt: skip
+    assert removed.returncode == 0, removed.stderr
     await monitor.assert_clean()
 
 
