@@ -40,6 +40,7 @@ class FeatureGate(StrEnum):
     COMPUTE_DOMAIN_CLIQUES = "ComputeDomainCliques"
     CRASH_ON_NVLINK_FABRIC_ERRORS = "CrashOnNVLinkFabricErrors"
     HOST_MANAGED_IMEX_DAEMON = "HostManagedIMEXDaemon"
+    IMEX_CHANNEL_ISOLATION = "IMEXChannelIsolation"
 
 
 class Stage(StrEnum):
@@ -58,6 +59,7 @@ GATES: Final[Mapping[FeatureGate, GateSpec]] = {
     FeatureGate.COMPUTE_DOMAIN_CLIQUES: GateSpec(Stage.BETA, True),
     FeatureGate.CRASH_ON_NVLINK_FABRIC_ERRORS: GateSpec(Stage.BETA, True),
     FeatureGate.HOST_MANAGED_IMEX_DAEMON: GateSpec(Stage.ALPHA, False),
+    FeatureGate.IMEX_CHANNEL_ISOLATION: GateSpec(Stage.ALPHA, False),
 }
 
 # Gates of the reference driver's GPU plugin. The shared chart renders one FEATURE_GATES string for all
@@ -192,6 +194,11 @@ def setting(env: str, help: str, **extra: Any) -> Any:
 MAX_KUBE_API_RATE: Final = 100_000
 # Slot names end in a four-digit index (imex.config.slot_hostname).
 MAX_NODES_LIMIT: Final = 10_000
+# NVreg_ImexChannelCount's default, and the largest count a 20-bit device minor can number.
+DEFAULT_IMEX_CHANNEL_COUNT: Final = 2048
+MAX_IMEX_CHANNEL_COUNT: Final = 1 << 20
+# One ResourceSlice holds at most 128 devices.
+MAX_CHANNEL_CLAIMS_PER_NODE: Final = 128
 
 
 def _duration(env: str, _kind: Any, raw: str) -> float:
@@ -213,7 +220,11 @@ def _klog_level(env: str, raw: str) -> str:
 class CommonSettings:
     feature_gates_text: str = setting("FEATURE_GATES", "Feature gates, e.g. 'A=true,B=false'", default="")
     imex_mode_text: str = setting("IMEX_MODE", "driverManaged or hostManaged", default="driverManaged")
-    imex_isolation_text: str = setting("IMEX_ISOLATION", "domain (channel: not implemented)", default="domain")
+    imex_isolation_text: str = setting(
+        "IMEX_ISOLATION",
+        "domain, or channel (a channel per ComputeDomain; hostManaged, gate IMEXChannelIsolation)",
+        default="domain",
+    )
     imex_host_socket_path: str = setting(
         "IMEX_HOST_SOCKET_PATH",
         "host IMEX command socket, relative to the driver root",
@@ -292,6 +303,11 @@ class CommonSettings:
     def host_managed(self) -> bool:
         return self.imex_mode is ImexMode.HOST_MANAGED
 
+    @property
+    def channel_isolation(self) -> bool:
+        """Every ComputeDomain gets an IMEX channel of its own per clique (design note 0012)."""
+        return self.imex_isolation is ImexIsolation.CHANNEL
+
     def gate(self, gate: FeatureGate) -> bool:
         return self.feature_gates.enabled(gate)
 
@@ -331,7 +347,8 @@ def _non_negative(settings: CommonSettings, *names: str) -> None:
 
 
 def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> ImexMode:
-    """SPEC section 3 rules 1-4, in order: the mode (and its gate) before the isolation."""
+    """SPEC section 3 rules 1-4, in order: the mode (and its gate) before the isolation. Without the gate
+    IMEXChannelIsolation, `channel` is refused with the message it always had."""
     try:
         mode = ImexMode(mode_text)
     except ValueError:
@@ -340,10 +357,18 @@ def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> 
         raise SettingsError(
             "IMEX_MODE=hostManaged requires the feature gate HostManagedIMEXDaemon=true (FEATURE_GATES)"
         )
+    gated = gates.enabled(FeatureGate.IMEX_CHANNEL_ISOLATION)
     if isolation_text == ImexIsolation.CHANNEL:
-        raise SettingsError("IMEX_ISOLATION=channel is not implemented yet; use domain")
-    if isolation_text != ImexIsolation.DOMAIN:
-        raise SettingsError(f"IMEX_ISOLATION {brief(isolation_text)} is unknown; use domain")
+        if not gated:
+            raise SettingsError("IMEX_ISOLATION=channel is not implemented yet; use domain")
+        if mode is not ImexMode.HOST_MANAGED:
+            raise SettingsError(
+                "IMEX_ISOLATION=channel needs IMEX_MODE=hostManaged: in driverManaged mode every ComputeDomain "
+                "runs an IMEX domain of its own, which isolates it already; use domain"
+            )
+    elif isolation_text != ImexIsolation.DOMAIN:
+        known = "domain or channel" if gated else "domain"
+        raise SettingsError(f"IMEX_ISOLATION {brief(isolation_text)} is unknown; use {known}")
     return mode
 
 
@@ -412,6 +437,11 @@ class ControllerSettings(CommonSettings):
         "RETRY_BACKOFF_INITIAL", "first delay before a failed reconcile is retried (doubles)", default=0.005
     )
     retry_backoff_max: float = setting("RETRY_BACKOFF_MAX", "longest delay between retries", default=300.0)
+    imex_channel_count: int = setting(
+        "IMEX_CHANNEL_COUNT",
+        "IMEX channels of every node (NVreg_ImexChannelCount): IMEX_ISOLATION=channel assigns 1 to this - 1",
+        default=DEFAULT_IMEX_CHANNEL_COUNT,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -422,6 +452,11 @@ class ControllerSettings(CommonSettings):
         if self.http_endpoint:
             parse_endpoint(self.http_endpoint)
         check_max_nodes(self.max_nodes_per_imex_domain)
+        if not 2 <= self.imex_channel_count <= MAX_IMEX_CHANNEL_COUNT:
+            raise SettingsError(
+                f"IMEX_CHANNEL_COUNT {self.imex_channel_count!r} must be between 2 and {MAX_IMEX_CHANNEL_COUNT} "
+                f"(channel 0 is reserved; the driver's default NVreg_ImexChannelCount is {DEFAULT_IMEX_CHANNEL_COUNT})"
+            )
         _non_negative(self, "sweep_period", "retry_backoff_initial", "retry_backoff_max")
         if self.workers < 1:
             raise SettingsError(f"WORKERS {self.workers!r} must be at least 1")
@@ -491,11 +526,21 @@ class PluginSettings(CommonSettings):
     retry_backoff_max: float = setting("RETRY_BACKOFF_MAX", "longest delay between retries", default=30.0)
     http_endpoint: str = setting("HTTP_ENDPOINT", "host:port for /metrics, /healthz; empty: no server", default="")
     metrics_path: str = setting("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
+    imex_channel_claims_per_node: int = setting(
+        "IMEX_CHANNEL_CLAIMS_PER_NODE",
+        "IMEX_ISOLATION=channel: channel devices this node publishes, i.e. channel claims prepared here at once",
+        default=8,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.http_endpoint:
             parse_endpoint(self.http_endpoint)
+        if not 1 <= self.imex_channel_claims_per_node <= MAX_CHANNEL_CLAIMS_PER_NODE:
+            raise SettingsError(
+                f"IMEX_CHANNEL_CLAIMS_PER_NODE {self.imex_channel_claims_per_node!r} must be between 1 and "
+                f"{MAX_CHANNEL_CLAIMS_PER_NODE} (one ResourceSlice holds {MAX_CHANNEL_CLAIMS_PER_NODE} devices)"
+            )
         if not self.node_name:
             raise SettingsError("NODE_NAME is required (set it from the downward API: spec.nodeName)")
         check_node_name(self.node_name)

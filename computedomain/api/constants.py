@@ -19,6 +19,12 @@ TEMPLATE_TARGET_WORKLOAD: Final = "Workload"
 
 CHANNEL_DEVICE_CLASS: Final = "compute-domain-default-channel.nvidia.com"
 DAEMON_DEVICE_CLASS: Final = "compute-domain-daemon.nvidia.com"
+# Beyond the reference (IMEX_ISOLATION=channel only): every channel device of a node, not just channel-0.
+# Under channel isolation a channel device is a place for one claim; which IMEX channel the container gets
+# is its ComputeDomain's (design note 0012).
+ISOLATED_CHANNEL_DEVICE_CLASS: Final = "compute-domain-channel.nvidia.com"
+# Never assigned under channel isolation: it is the channel every workload shares without it.
+SHARED_IMEX_CHANNEL: Final = 0
 
 DAEMON_TEMPLATE_PREFIX: Final = "computedomain-daemon-"
 

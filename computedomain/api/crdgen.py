@@ -31,6 +31,10 @@ from computedomain.api.models import (
     ComputeDomainStatus,
 )
 
+CHANNEL_IMMUTABLE_MESSAGE = (
+    "channel is assigned once and never changes: pods of the domain hold it on their nodes; deleting the "
+    "ComputeDomain frees it once every claim prepared with it is unprepared"
+)
 SPEC_IMMUTABLE_MESSAGE = (
     "spec is immutable: a ComputeDomain cannot be changed after creation; "
     "delete it and create a new one with the spec you want"
@@ -130,6 +134,7 @@ def _crd(
     required: list[str] | None = None,
     status_subresource: bool,
     printer_columns: list[dict[str, Any]],
+    rules: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     top: dict[str, Any] = {
         "type": "object",
@@ -142,6 +147,8 @@ def _crd(
     }
     if required:
         top["required"] = required
+    if rules:
+        top["x-kubernetes-validations"] = rules
     version: dict[str, Any] = {
         "name": API_VERSION,
         "served": True,
@@ -193,20 +200,43 @@ def compute_domain_crd() -> dict[str, Any]:
                 "description": "Nodes requested (spec.numNodes)",
             },
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+            {
+                "name": "Channels",
+                "type": "string",
+                "jsonPath": ".status.channels[*].channel",
+                "description": "IMEX channels of the domain (channel isolation), one per clique",
+                "priority": 1,
+            },
         ],
     )
 
 
 def compute_domain_clique_crd() -> dict[str, Any]:
-    daemons = ComputeDomainClique.model_fields["daemons"]
+    fields = ComputeDomainClique.model_fields
+    properties = {
+        (fields[name].alias or name): _field_schema(fields[name]) for name in ("daemons", "channel", "prepared_claims")
+    }
     return _crd(
         kind="ComputeDomainClique",
         plural="computedomaincliques",
         short_names=["cdclique"],
-        properties={"daemons": _field_schema(daemons)},
+        properties=properties,
         status_subresource=False,
         printer_columns=[
+            {
+                "name": "Channel",
+                "type": "integer",
+                "jsonPath": ".channel",
+                "description": "IMEX channel of the domain in this clique (channel isolation)",
+            },
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        # Transition rule at the root: it also catches removing the field, which a rule on the field cannot.
+        rules=[
+            {
+                "rule": "!has(oldSelf.channel) || (has(self.channel) && self.channel == oldSelf.channel)",
+                "message": CHANNEL_IMMUTABLE_MESSAGE,
+            }
         ],
     )
 

@@ -14,6 +14,7 @@ fields (`status.conditions`).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal
@@ -116,6 +117,15 @@ class Condition(_ApiModel):
     message: str = Field(description="Human-readable explanation.")
 
 
+class ComputeDomainChannel(_ApiModel):
+    """The IMEX channel of a domain in one clique (hostManaged with IMEX_ISOLATION=channel)."""
+
+    clique_id: str = Field(alias="cliqueID", description="NVLink clique (IMEX domain) of the channel.")
+    channel: Annotated[int, Field(ge=1)] = Field(
+        description="IMEX channel that every pod of the domain gets in this clique, and no other domain."
+    )
+
+
 class ComputeDomainStatus(_ApiModel):
     status: ReadyStatus = Field(ReadyStatus.NOT_READY, description="Ready when every daemon is Ready.")
     nodes: list[ComputeDomainNode] | None = Field(
@@ -128,11 +138,18 @@ class ComputeDomainStatus(_ApiModel):
         description="Standard conditions; Ready says why the domain is (not) ready.",
         json_schema_extra=_listmap("type"),
     )
+    channels: list[ComputeDomainChannel] | None = Field(
+        None,
+        description="IMEX channels of the domain, one per clique its pods run in (hostManaged with "
+        "IMEX_ISOLATION=channel; copied from its ComputeDomainClique objects). Omitted when empty.",
+        json_schema_extra=_listmap("cliqueID"),
+    )
 
     def to_api(self) -> dict[str, Any]:
         body = super().to_api()
-        if not body.get("nodes"):
-            body.pop("nodes", None)
+        for key in ("nodes", "channels"):
+            if not body.get(key):
+                body.pop(key, None)
         return body
 
 
@@ -159,9 +176,19 @@ class ComputeDomainDaemonInfo(_ApiModel):
     status: ReadyStatus = Field(ReadyStatus.NOT_READY, description="Readiness of the daemon.")
 
 
+class PreparedClaim(_ApiModel):
+    claim_uid: str = Field(alias="claimUID", description="UID of the ResourceClaim prepared with the channel.")
+    node_name: str = Field(alias="nodeName", description="Node whose node agent prepared it.")
+
+
 class ComputeDomainClique(_ApiModel):
-    """Daemon registrations of one clique of one domain, named `<cdUID>.<cliqueID>` in the driver
-    namespace. Daemons write their own entry; the controller only reads and prunes stale ones."""
+    """One domain in one clique, named `<cdUID>.<cliqueID>` in the driver namespace.
+
+    driverManaged: the daemons' registrations; daemons write their own entry, the controller only reads and
+    prunes stale ones. hostManaged with IMEX_ISOLATION=channel: the domain's IMEX channel in the clique
+    (`channel`, assigned once by the controller) and the claims prepared with it (`preparedClaims`, each
+    node agent its own entries); the channel is free again only once the object is gone (design note 0012).
+    """
 
     api_version: str = Field(GROUP_VERSION, alias="apiVersion")
     kind: Literal["ComputeDomainClique"] = "ComputeDomainClique"
@@ -171,11 +198,36 @@ class ComputeDomainClique(_ApiModel):
         description="One entry per daemon of the clique.",
         json_schema_extra=_listmap("nodeName"),
     )
+    channel: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="hostManaged with channel isolation: the domain's IMEX channel in this clique, assigned "
+        "once by the controller and never changed.",
+    )
+    prepared_claims: list[PreparedClaim] | None = Field(
+        None,
+        alias="preparedClaims",
+        description="hostManaged with channel isolation: the claims prepared with the channel, on any node; "
+        "the channel stays reserved until none is left.",
+        json_schema_extra=_listmap("claimUID"),
+    )
+
+    @property
+    def clique_id(self) -> str:
+        """The `<cliqueID>` part of the name."""
+        return self.metadata.name.partition(".")[2]
 
     @property
     def domain_uid(self) -> str:
         """The domain it belongs to: its CD label, else the `<cdUID>` part of its name."""
         return self.metadata.labels.get(COMPUTE_DOMAIN_LABEL) or self.metadata.name.partition(".")[0]
+
+
+# A clique ID as NVML gives it (`<clusterUUID>.<cliqueId>`, lower case): part of object names, a label value.
+_CLIQUE_ID = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?", re.ASCII)
+
+
+def valid_clique_id(clique_id: str) -> bool:
+    return bool(_CLIQUE_ID.fullmatch(clique_id))
 
 
 # --- Opaque device configs -----------------------------------------------------------------------------

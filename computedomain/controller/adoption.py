@@ -46,6 +46,7 @@ from computedomain.api.constants import (
     DAEMON_DEVICE_CLASS,
     DAEMON_TEMPLATE_PREFIX,
     DRIVER_NAME,
+    ISOLATED_CHANNEL_DEVICE_CLASS,
     TEMPLATE_TARGET_DAEMON,
     TEMPLATE_TARGET_WORKLOAD,
 )
@@ -98,7 +99,10 @@ def _content_problems(child: Child, uid: str) -> list[str]:
     elif child.kind is ChildKind.DAEMON_TEMPLATE:
         _template(problems, child, uid, TEMPLATE_TARGET_DAEMON, DAEMON_DEVICE_CLASS, "ComputeDomainDaemonConfig")
     else:
-        _template(problems, child, uid, TEMPLATE_TARGET_WORKLOAD, CHANNEL_DEVICE_CLASS, "ComputeDomainChannelConfig")
+        # Either channel class is ours: a template made under the other IMEX_ISOLATION is still the domain's
+        # child (the isolation guard refuses to start over it; the teardown removes it).
+        wanted = c.device_class if c.device_class == ISOLATED_CHANNEL_DEVICE_CLASS else CHANNEL_DEVICE_CLASS
+        _template(problems, child, uid, TEMPLATE_TARGET_WORKLOAD, wanted, "ComputeDomainChannelConfig")
     if c.controller_owner and c.controller_owner != uid:
         problems.append(f"controlled by {shown(c.controller_owner)}")
     return problems

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from computedomain.controller import adoption, guard
 from computedomain.controller.caches import Caches
+from computedomain.controller.channel_assigner import ChannelAssigner
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
 from computedomain.controller.report import DomainReporter
 from computedomain.http import HttpServer, start_http
@@ -50,6 +51,8 @@ from computedomain.settings import ControllerSettings, describe
 log = logging.getLogger("computedomain.controller")
 
 QUEUE_NAME = "computedomain"
+CHANNEL_QUEUE_NAME = "imex-channels"
+CHANNEL_WORKERS = 4
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -164,6 +167,7 @@ class Controller:
         self.leading = False
         self.loop: Converger[str] | None = None
         self.sweeper: Sweeper | None = None
+        self.channels: Converger[str] | None = None
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """``/readyz``: caches synced, guard passed, and no cache refused (a 403 list or watch says which
@@ -188,6 +192,10 @@ class Controller:
             findings = guard.check(self.settings.imex_mode, cds, children, self.caches.nodes.list())
             if findings:
                 raise guard.ModeConflictError(self.settings.imex_mode, findings)
+            if self.settings.host_managed:
+                findings = guard.check_isolation(self.settings.imex_isolation, cds, children)
+                if findings:
+                    raise guard.isolation_conflict(self.settings.imex_isolation, findings)
             self.ready = True
             if self.settings.leader_election_enabled:
                 elector = LeaderElector(
@@ -243,10 +251,24 @@ class Controller:
         report = event_reporter(self.recorder)  # objects the caches skip, told by the leader only
         for informer in caches.informers():
             informer.add_handler(on_reject=report)
+        assigner: Converger[str] | None = None
+        if s.channel_isolation:
+            # Keyed by clique: one clique's channels are never planned twice at once (channel_assigner).
+            assigner = Converger(
+                CHANNEL_QUEUE_NAME,
+                ChannelAssigner(writer, s).reconcile,
+                workers=CHANNEL_WORKERS,
+                every=s.sweep_period,
+                retries=retries,
+            )
+            caches.add_channel_handlers(assigner.add)
+        self.channels = assigner
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(sweeper.run(), name="orphan-sweeper")
                 tg.create_task(loop.run(), name="workers")
+                if assigner is not None:
+                    tg.create_task(assigner.run(), name="imex-channels")
         finally:
             self.leading = False
 

@@ -8,7 +8,8 @@
 | ResourceClaimTemplates | all namespaces (workload templates live in the CDs' namespaces) | CD label exists | label value |
 | Nodes | cluster | CD label exists | label value |
 | daemon Pods (driverManaged) | each managed namespace | CD label exists | label value |
-| ComputeDomainCliques (driverManaged, gate on) | each managed namespace | none | label, else name prefix |
+| ComputeDomainCliques (driverManaged with the gate; hostManaged with channel isolation) | each managed namespace | none | label, else name prefix; ``clique``: name suffix |
+| channel locks: Leases (channel isolation) | the driver namespace | clique label exists | ``clique``: label value |
 
 ``observe(uid)`` assembles one domain's ``Observed`` from them, plus the children this process created that
 the caches have not shown yet (``note_created``): a domain deleted right after its children were created must
@@ -22,8 +23,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
-from computedomain.api.models import ComputeDomain, ComputeDomainClique
+from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
+from computedomain.api.models import ComputeDomain, ComputeDomainClique, valid_clique_id
+from computedomain.controller import channels
+from computedomain.controller.channels import CliqueSpace, Lock
 from computedomain.controller.observed import (
     Child,
     ChildKind,
@@ -40,6 +43,7 @@ from computedomain.kube.client import (
     COMPUTE_DOMAIN_CLIQUES,
     COMPUTE_DOMAINS,
     DAEMONSETS,
+    LEASES,
     NETWORK_POLICIES,
     NODES,
     PODS,
@@ -55,6 +59,7 @@ T = TypeVar("T", Child, PodView)
 
 OVERLAY_TTL = 60.0
 CD_INDEX = "cd"
+CLIQUE_INDEX = "clique"
 
 
 def _cd_label(obj: Child | NodeView | PodView) -> list[str]:
@@ -98,20 +103,33 @@ class Caches:
         )
         self.pods: list[Informer[PodView]] = []
         self.cliques: list[Informer[ComputeDomainClique]] = []
+        self.locks: Informer[Lock] | None = None
         if not settings.host_managed:
             self.pods = self._labelled(client, PODS, decode_pod)
-            if settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES):
-                self.cliques = [
-                    Informer(
-                        client,
-                        COMPUTE_DOMAIN_CLIQUES,
-                        namespace=ns,
-                        decode=ComputeDomainClique.model_validate,
-                        name=f"computedomaincliques/{ns}",
-                        indexers={CD_INDEX: lambda c: [c.domain_uid]},
-                    )
-                    for ns in settings.managed_namespaces
-                ]
+        if settings.channel_isolation or (
+            not settings.host_managed and settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES)
+        ):
+            self.cliques = [
+                Informer(
+                    client,
+                    COMPUTE_DOMAIN_CLIQUES,
+                    namespace=ns,
+                    decode=ComputeDomainClique.model_validate,
+                    name=f"computedomaincliques/{ns}",
+                    indexers={CD_INDEX: lambda c: [c.domain_uid], CLIQUE_INDEX: lambda c: [c.clique_id]},
+                )
+                for ns in settings.managed_namespaces
+            ]
+        if settings.channel_isolation:
+            self.locks = Informer(
+                client,
+                LEASES,
+                namespace=settings.namespace,
+                label_selector=CLIQUE_LABEL,
+                decode=_decode_lock,
+                name=f"leases/{settings.namespace}",
+                indexers={CLIQUE_INDEX: lambda lk: [lk.clique_id]},
+            )
         # Children created by this process and not yet seen by a cache: key -> (child, monotonic time).
         self._created: dict[tuple[ChildKind, str, str], tuple[Child, float]] = {}
         # ComputeDomains as this process last wrote them, until the cache shows that version: by UID.
@@ -146,6 +164,7 @@ class Caches:
             self.nodes,
             *self.pods,
             *self.cliques,
+            *([self.locks] if self.locks is not None else []),
         ]
 
     async def wait_synced(self, within: float | None = None) -> None:
@@ -207,6 +226,24 @@ class Caches:
     def all_cliques(self) -> list[ComputeDomainClique]:
         return [c for i in self.cliques for c in i.list()]
 
+    def clique_space(self, clique_id: str) -> CliqueSpace:
+        """One clique's channel records and locks, and which of their domains live (channel isolation). A
+        record named with an invalid clique ID (made by hand) belongs to no clique: it never gets a channel."""
+        if not valid_clique_id(clique_id):
+            return CliqueSpace(clique_id)
+        records = tuple(channels.record_of(c) for i in self.cliques for c in i.by_index(CLIQUE_INDEX, clique_id))
+        locks = tuple(self.locks.by_index(CLIQUE_INDEX, clique_id)) if self.locks is not None else ()
+        live = frozenset(r.domain_uid for r in records if _lives(self.cd(r.domain_uid)))
+        return CliqueSpace(clique_id, records, locks, live)
+
+    def exhausted_cliques(self, cliques: tuple[ComputeDomainClique, ...]) -> frozenset[str]:
+        """Of one domain's records still waiting for a channel, the cliques that have none free."""
+        if not self.settings.channel_isolation:
+            return frozenset()
+        waiting = {c.clique_id for c in cliques if c.channel is None and c.metadata.deletion_timestamp is None}
+        count = self.settings.imex_channel_count
+        return frozenset(c for c in waiting if channels.exhausted(self.clique_space(c), count))
+
     def observe(self, uid: str) -> Observed | None:
         """The snapshot for one domain; None when the CD cache does not have it (which proves nothing)."""
         cd = self.cd(uid)
@@ -215,12 +252,14 @@ class Caches:
         children = {c.key: c for c in self.children(uid)}
         for child in self._pending(uid):
             children.setdefault(child.key, child)
+        cliques = tuple(c for i in self.cliques for c in i.by_index(CD_INDEX, uid))
         return Observed(
             cd=cd,
             children=tuple(sorted(children.values(), key=lambda c: c.key)),
             labelled_nodes=tuple(sorted(self.nodes.by_index(CD_INDEX, uid), key=lambda n: n.name)),
-            cliques=tuple(c for i in self.cliques for c in i.by_index(CD_INDEX, uid)),
+            cliques=cliques,
             pods=tuple(p for i in self.pods for p in i.by_index(CD_INDEX, uid)),
+            exhausted_cliques=self.exhausted_cliques(cliques),
         )
 
     def add_handlers(self, on_uid: Callable[[str], None]) -> None:
@@ -249,6 +288,48 @@ class Caches:
                 on_update=lambda _o, n: _route(n.domain_uid, on_uid),
                 on_delete=lambda c: _route(c.domain_uid, on_uid),
             )
+
+    def add_channel_handlers(self, on_clique: Callable[[str], None]) -> None:
+        """Route what changes a clique's channels to ``on_clique(cliqueID)``: its records and locks, and the
+        domains of its records (a domain that appears or goes changes who may get a channel)."""
+
+        def route(clique_id: str) -> None:
+            if clique_id:
+                on_clique(clique_id)
+
+        def cd_event(cd: ComputeDomain) -> None:
+            for informer in self.cliques:
+                for record in informer.by_index(CD_INDEX, cd.uid):
+                    route(record.clique_id)
+
+        self.cds.add_handler(on_add=cd_event, on_update=lambda _o, n: cd_event(n), on_delete=cd_event)
+        for informer in self.cliques:
+            informer.add_handler(
+                on_add=lambda c: route(c.clique_id),
+                on_update=lambda _o, n: route(n.clique_id),
+                on_delete=lambda c: route(c.clique_id),
+            )
+        if self.locks is not None:
+            self.locks.add_handler(
+                on_add=lambda lk: route(lk.clique_id),
+                on_update=lambda _o, n: route(n.clique_id),
+                on_delete=lambda lk: route(lk.clique_id),
+            )
+
+
+def _lives(cd: ComputeDomain | None) -> bool:
+    return cd is not None and cd.metadata.deletion_timestamp is None
+
+
+def _decode_lock(raw: Raw) -> Lock:
+    """A Lease with the clique label that is no channel lock (made by hand) counts as holding nothing."""
+    lock = channels.decode_lock(raw)
+    if lock is not None:
+        return lock
+    meta = raw.get("metadata") or {}
+    return Lock(
+        str(meta.get("name") or ""), str(meta.get("namespace") or ""), str(meta.get("uid") or ""), "", 0, "", ""
+    )
 
 
 def _newer(a: str, b: str) -> bool:

@@ -6,7 +6,9 @@
 * The **workload template**, named by the user (``spec.channel.resourceClaimTemplate.name``) in the CD's
   namespace: one request ``channel`` of class ``compute-domain-default-channel.nvidia.com`` with an opaque
   ``ComputeDomainChannelConfig{domainID, allocationMode}``. In hostManaged mode the allocation mode is forced to
-  ``Single``: every domain shares channel 0 of the host's IMEX domain.
+  ``Single``: every domain shares channel 0 of the host's IMEX domain. With channel isolation the request's
+  class is ``compute-domain-channel.nvidia.com`` instead: any of a node's channel devices, since each is a
+  place for one claim and the node agent injects the domain's own channel (design note 0012).
 
 Both carry the CD label (value: CD UID), the target label and our finalizer. The workload template, in the
 domain's own namespace, also names the domain as its controller owner (the garbage collector's backstop; no
@@ -26,6 +28,7 @@ from computedomain.api.constants import (
     DAEMON_TEMPLATE_PREFIX,
     DRIVER_NAME,
     GROUP_VERSION,
+    ISOLATED_CHANNEL_DEVICE_CLASS,
     TEMPLATE_TARGET_DAEMON,
     TEMPLATE_TARGET_LABEL,
     TEMPLATE_TARGET_WORKLOAD,
@@ -44,6 +47,10 @@ def daemon_object_name(cd_uid: str) -> str:
 
 def workload_template_name(cd: ComputeDomain) -> str:
     return cd.spec.channel.resource_claim_template.name
+
+
+def channel_device_class(settings: ControllerSettings) -> str:
+    return ISOLATED_CHANNEL_DEVICE_CLASS if settings.channel_isolation else CHANNEL_DEVICE_CLASS
 
 
 def allocation_mode(cd: ComputeDomain, settings: ControllerSettings) -> AllocationMode:
@@ -99,7 +106,7 @@ def workload_template(cd: ComputeDomain, settings: ControllerSettings) -> dict[s
         cd_uid=cd.uid,
         target=TEMPLATE_TARGET_WORKLOAD,
         request=CHANNEL_REQUEST,
-        device_class=CHANNEL_DEVICE_CLASS,
+        device_class=channel_device_class(settings),
         params={
             "kind": "ComputeDomainChannelConfig",
             "domainID": cd.uid,

@@ -59,7 +59,12 @@ def candidates(
         nodes=tuple(stale_labels(nodes, known_uids)),
         cliques=tuple(
             sorted(
-                (c for c in cliques if c.domain_uid and c.domain_uid not in known_uids),
+                # One being deleted already waits for its finalizer (a channel record: for its claims).
+                (
+                    c
+                    for c in cliques
+                    if c.domain_uid and c.domain_uid not in known_uids and c.metadata.deletion_timestamp is None
+                ),
                 key=lambda c: (c.metadata.namespace, c.metadata.name),
             )
         ),

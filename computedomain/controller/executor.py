@@ -53,6 +53,7 @@ from computedomain.controller.reconcile import (
     AddFinalizer,
     CreateChild,
     DeleteChild,
+    DeleteRecord,
     Gone,
     NameTaken,
     Pruned,
@@ -417,6 +418,12 @@ class Reconciler:
             return await self.writer.unlabel_node(action.node)
         if isinstance(action, PruneEntries):
             return await self.writer.prune(cd, action)
+        if isinstance(action, DeleteRecord):
+            meta = action.clique.metadata
+            with contextlib.suppress(NotFound):
+                await self.client.delete(COMPUTE_DOMAIN_CLIQUES, meta.name, namespace=meta.namespace, uid=meta.uid)
+            log.info("deleted channel record cd=%s record=%s/%s", _name(cd), meta.namespace, meta.name)
+            return Gone()
         if isinstance(action, WriteStatus):
             written = await self.writer.write_status(cd, action.status)
             self._status_written[cd.uid] = time.monotonic()

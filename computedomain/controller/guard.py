@@ -12,6 +12,13 @@ and before any write, the controller checks every **live** (not terminating) dom
   driverManaged controller never leaves that state behind: it creates the daemon objects before the workload
   template and tears the workload template down first.
 
+The same holds for ``IMEX_ISOLATION`` (hostManaged): a pod that gets the shared channel 0 cannot talk to one of
+the same domain that got the domain's own channel, so a domain must keep the isolation it was set up with. Its
+workload template says which: starting with ``channel``, a live domain whose template requests the default
+channel class (``compute-domain-default-channel.nvidia.com``) was set up with ``domain``; starting with
+``domain``, a live domain whose template requests ``compute-domain-channel.nvidia.com`` was set up with
+``channel`` (its channel records are torn down only by a controller with channel isolation).
+
 Terminating domains never contradict: the teardown in ``reconcile`` is the same in both modes and removes
 whatever children exist. Objects of domains that are gone are orphans for the sweep, not for the guard.
 If anything contradicts, the process exits with a message naming each domain and what to do.
@@ -22,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER
+from computedomain.api.constants import CHANNEL_DEVICE_CLASS, COMPUTE_DOMAIN_FINALIZER, ISOLATED_CHANNEL_DEVICE_CLASS
 from computedomain.api.models import ComputeDomain
 from computedomain.controller.observed import Child, ChildKind, NodeView
-from computedomain.settings import ImexMode
+from computedomain.settings import ImexIsolation, ImexMode
 
 MAX_NAMED = 20
 
@@ -42,12 +49,16 @@ class Finding:
 
 
 class ModeConflictError(RuntimeError):
-    """Raised at startup when existing ComputeDomains were set up under the other IMEX mode."""
+    """Raised at startup when existing ComputeDomains were set up under the other IMEX mode (or isolation)."""
 
-    def __init__(self, mode: ImexMode, findings: list[Finding]) -> None:
+    def __init__(self, mode: ImexMode, findings: list[Finding], message: str | None = None) -> None:
         self.mode = mode
         self.findings = findings
-        super().__init__(refusal_message(mode, findings))
+        super().__init__(message or refusal_message(mode, findings))
+
+
+def isolation_conflict(isolation: ImexIsolation, findings: list[Finding]) -> ModeConflictError:
+    return ModeConflictError(ImexMode.HOST_MANAGED, findings, isolation_refusal_message(isolation, findings))
 
 
 def check(
@@ -80,6 +91,40 @@ def check(
         if evidence:
             findings.append(Finding(cd.metadata.namespace, cd.metadata.name, cd.uid, evidence))
     return findings
+
+
+def check_isolation(isolation: ImexIsolation, cds: Iterable[ComputeDomain], children: Iterable[Child]) -> list[Finding]:
+    """hostManaged: live domains whose workload template was made for the other ``IMEX_ISOLATION``."""
+    other_class = CHANNEL_DEVICE_CLASS if isolation is ImexIsolation.CHANNEL else ISOLATED_CHANNEL_DEVICE_CLASS
+    other = ImexIsolation.DOMAIN if isolation is ImexIsolation.CHANNEL else ImexIsolation.CHANNEL
+    templates: dict[str, list[Child]] = {}
+    for child in children:
+        if child.kind is ChildKind.WORKLOAD_TEMPLATE and child.content.device_class == other_class:
+            templates.setdefault(child.cd_uid, []).append(child)
+    return [
+        Finding(
+            cd.metadata.namespace,
+            cd.metadata.name,
+            cd.uid,
+            f"workload template of class {other_class}, made with IMEX_ISOLATION={other.value}",
+        )
+        for cd in sorted(cds, key=lambda c: (c.metadata.namespace, c.metadata.name))
+        if cd.metadata.deletion_timestamp is None and cd.uid in templates
+    ]
+
+
+def isolation_refusal_message(isolation: ImexIsolation, findings: list[Finding]) -> str:
+    other = ImexIsolation.DOMAIN if isolation is ImexIsolation.CHANNEL else ImexIsolation.CHANNEL
+    named = "; ".join(str(f) for f in findings[:MAX_NAMED])
+    if len(findings) > MAX_NAMED:
+        named += f"; and {len(findings) - MAX_NAMED} more"
+    return (
+        f"refusing to start with IMEX_ISOLATION={isolation.value}: {len(findings)} ComputeDomain(s) were set up with "
+        f"IMEX_ISOLATION={other.value}: {named}. Switching the isolation while ComputeDomains exist is unsupported "
+        "(pods of one domain would get different channels and could not talk): drain their workloads and delete "
+        f"them (a controller with IMEX_ISOLATION={other.value} tears them down), or start with "
+        f"IMEX_ISOLATION={other.value}"
+    )
 
 
 def refusal_message(mode: ImexMode, findings: list[Finding]) -> str:

@@ -267,6 +267,8 @@ class Observed:
     name_conflicts: tuple[tuple[ChildKind, str], ...] = ()
     # The apiserver drops status.conditions (an old CRD): status writes are needed only for the rest.
     conditions_pruned: bool = False
+    # Channel isolation: cliques where one of the domain's records waits for a channel and none is free.
+    exhausted_cliques: frozenset[str] = frozenset()
 
     def of_kind(self, kind: ChildKind) -> tuple[Child, ...]:
         return tuple(c for c in self.children if c.kind is kind)

@@ -18,11 +18,14 @@ name stops there and says so in the Ready condition (``TemplateNameConflict``, `
 driverManaged, live domain: finalizer -> daemon template -> DaemonSet (a DaemonSet the reference driver made
 gets this project's pod template, with OnDelete updates: ``TakeOverDaemonSet``) (-> the daemons' NetworkPolicy,
 when enabled) -> workload template -> stale clique entries pruned -> status.
-hostManaged, live domain: finalizer -> workload template (allocationMode Single) -> status.
+hostManaged, live domain: finalizer -> workload template (allocationMode Single) -> status. With channel
+isolation (``IMEX_ISOLATION=channel``) ``allocationMode: All`` is refused (stuck), and the status carries the
+domain's IMEX channels (``channels``, assigned elsewhere) and says when a clique has none left.
 While a step waits for something (a child someone deleted going away), the status says so.
 Terminating domain (either mode; a domain set up in the other mode is torn down completely too): delete the
-workload template -> delete daemon template and DaemonSet -> remove the CD label from nodes -> drop our
-finalizer from terminating children -> (wait until they are gone) -> drop the CD finalizer.
+workload template -> delete daemon template and DaemonSet (and, with channel isolation, the domain's channel
+records, which then keep its channels until no claim holds them) -> remove the CD label from nodes -> drop
+our finalizer from terminating children -> (wait until they are gone) -> drop the CD finalizer.
 
 A child that is terminating while its domain lives (a user deleted it) is released and then recreated.
 """
@@ -37,7 +40,9 @@ from typing import Any, TypeAlias
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER
 from computedomain.api.models import (
+    AllocationMode,
     ComputeDomain,
+    ComputeDomainChannel,
     ComputeDomainClique,
     ComputeDomainNode,
     ComputeDomainStatus,
@@ -109,6 +114,15 @@ class PruneEntries:
 
 
 @dataclass(frozen=True)
+class DeleteRecord:
+    """Channel isolation: delete a channel record of a domain being torn down (it stays, holding the channel,
+    until no claim is prepared with it any more)."""
+
+    clique: ComputeDomainClique = field(hash=False)
+    name: str
+
+
+@dataclass(frozen=True)
 class WriteStatus:
     status: ComputeDomainStatus = field(hash=False)
     events: tuple[EventSpec, ...] = ()
@@ -123,6 +137,7 @@ Action: TypeAlias = (
     | ReleaseChild
     | UnlabelNode
     | PruneEntries
+    | DeleteRecord
     | WriteStatus
 )
 
@@ -171,13 +186,24 @@ def spec_problem(cd: ComputeDomain) -> str | None:
     )
 
 
+def isolation_problem(cd: ComputeDomain, settings: ControllerSettings) -> str | None:
+    """Why this spec cannot run with channel isolation, or None."""
+    if settings.channel_isolation and cd.spec.channel.allocation_mode is AllocationMode.ALL:
+        return (
+            "spec.channel.allocationMode All is refused with channel isolation (IMEX_ISOLATION=channel): it would "
+            "give the domain's pods every IMEX channel of their nodes, other domains' channels included; the spec "
+            "is immutable: delete this ComputeDomain and create it with allocationMode Single"
+        )
+    return None
+
+
 def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> Plan:
     cd = observed.cd
     children, foreign = adoption.split(cd, observed.children, settings)
     observed = replace(observed, children=children)
     if cd.metadata.deletion_timestamp is not None:
-        return _teardown(observed)
-    problem = spec_problem(cd)
+        return _teardown(observed, settings)
+    problem = spec_problem(cd) or isolation_problem(cd, settings)
     if problem is not None:
         return Plan(stuck=("InvalidSpec", problem))
     if COMPUTE_DOMAIN_FINALIZER not in cd.metadata.finalizers:
@@ -276,13 +302,19 @@ def desired_status(
 ) -> ComputeDomainStatus:
     cd = observed.cd
     nodes = []
+    channels: list[ComputeDomainChannel] = []
+    if settings.channel_isolation:
+        channels = status.channel_entries(observed.cliques)
     blocked = next(((kind, detail) for kind, detail in observed.name_conflicts if not _live(observed, kind)), None)
     if blocked is not None:
         kind, detail = blocked
         reason = status.REASON_TEMPLATE_CONFLICT if kind is ChildKind.WORKLOAD_TEMPLATE else status.REASON_NAME_CONFLICT
         verdict = status.conflict_verdict(detail, reason)
+    elif settings.channel_isolation and observed.exhausted_cliques:
+        verdict = status.exhausted_verdict(observed.exhausted_cliques, settings.imex_channel_count)
     elif settings.host_managed:
-        verdict = status.host_managed_verdict(claim_templates.workload_template_name(cd))
+        isolation = status.channel_text(channels) if settings.channel_isolation else None
+        verdict = status.host_managed_verdict(claim_templates.workload_template_name(cd), isolation)
     else:
         lost = status.lost_nodes(observed.labelled_nodes)
         if settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES):
@@ -291,7 +323,7 @@ def desired_status(
             # The daemons own status.nodes in this mode; derive the verdict from their entries only.
             nodes = _current_nodes(cd)
         verdict = status.assess(nodes, cd.spec.num_nodes, lost)
-    return _with_foreign(cd, status.build_status(cd, verdict, nodes, now), foreign, now)
+    return _with_foreign(cd, status.build_status(cd, verdict, nodes, now, channels), foreign, now)
 
 
 def _status_plan(
@@ -318,14 +350,19 @@ def _flip_events(cd: ComputeDomain, new: ComputeDomainStatus) -> tuple[EventSpec
     return (EventSpec("Warning", "NotReady", message),) if cd.status is not None else ()
 
 
-def _teardown(observed: Observed) -> Plan:
+def _teardown(observed: Observed, settings: ControllerSettings) -> Plan:
     """SPEC section 4 deletion order; every step is idempotent and tolerates objects already gone."""
     cd = observed.cd
     for kinds in (
         (ChildKind.WORKLOAD_TEMPLATE,),
         (ChildKind.DAEMON_TEMPLATE, ChildKind.DAEMONSET, ChildKind.NETWORK_POLICY),
     ):
-        doomed = [DeleteChild(c) for c in observed.children if c.kind in kinds and not c.terminating]
+        doomed: list[Action] = [DeleteChild(c) for c in observed.children if c.kind in kinds and not c.terminating]
+        if settings.channel_isolation and kinds[0] is ChildKind.DAEMON_TEMPLATE:
+            # Not waited for: a record keeps its channel as long as a claim holds it, domain or not.
+            doomed += [
+                DeleteRecord(c, c.metadata.name) for c in observed.cliques if c.metadata.deletion_timestamp is None
+            ]
         if doomed:
             return _batch(*doomed)
     if observed.labelled_nodes:
@@ -382,6 +419,8 @@ def fold(observed: Observed, action: Action, result: Result) -> Observed:
         return observed.with_child(result) if isinstance(result, Child) else observed.without_child(action.child.key)
     if isinstance(action, UnlabelNode):
         return replace(observed, labelled_nodes=tuple(n for n in observed.labelled_nodes if n != action.node))
+    if isinstance(action, DeleteRecord):
+        return replace(observed, cliques=tuple(c for c in observed.cliques if c.metadata.name != action.name))
     if isinstance(action, PruneEntries):
         # The live pods make the planner stop asking, also when the cache simply had not seen a pod yet.
         assert isinstance(result, Pruned)

@@ -16,7 +16,9 @@ against a live list of pods first), as the reference's controller does.
 
 Global status (SPEC section 4): ``NotReady`` while fewer entries than ``spec.numNodes`` or any entry is
 ``NotReady``, else ``Ready`` (so ``numNodes: 0`` with no daemons is Ready). hostManaged: ``Ready`` once the
-workload template exists, ``nodes`` never filled. The ``Ready`` condition carries a reason and a message
+workload template exists, ``nodes`` never filled. With channel isolation the domain's IMEX channels are
+copied from its records into ``channels`` and named in the message, and a clique without a free channel for
+it makes it ``NotReady`` (reason ``ChannelsExhausted``, naming the limit) until one is freed. The ``Ready`` condition carries a reason and a message
 that says why, e.g. "2 of 4 daemons ready; node gb-7: NotReady", "node gb-3: node lost (Ready=Unknown
 ...)". Before any of that, from the first reconcile on, it says what the controller is waiting for, and a
 failure the controller cannot get past (``failure_verdict``) replaces it: e.g. reason ``Forbidden`` with the
@@ -37,6 +39,7 @@ from datetime import datetime
 
 from computedomain.api.models import (
     ComputeDomain,
+    ComputeDomainChannel,
     ComputeDomainClique,
     ComputeDomainNode,
     ComputeDomainStatus,
@@ -59,6 +62,7 @@ REASON_CREATING = "CreatingObjects"
 REASON_TEMPLATE_CONFLICT = "TemplateNameConflict"
 REASON_NAME_CONFLICT = "NameConflict"
 REASON_WAITING_FOR_DELETION = "WaitingForDeletion"
+REASON_CHANNELS_EXHAUSTED = "ChannelsExhausted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +166,50 @@ def assess(nodes: Sequence[ComputeDomainNode], num_nodes: int, lost: Mapping[str
     return Verdict(ReadyStatus.READY, REASON_READY, f"{ready} of {total} daemons ready")
 
 
-def host_managed_verdict(template_name: str) -> Verdict:
-    return Verdict(
-        ReadyStatus.READY,
-        REASON_HOST_MANAGED,
+def host_managed_verdict(template_name: str, isolation: str | None = None) -> Verdict:
+    """``isolation``: with channel isolation, what ``channel_text`` says about the domain's channels."""
+    message = (
         f"ResourceClaimTemplate {template_name} exists; IMEX runs on the hosts (hostManaged), and the host "
-        "daemon's readiness is checked per claim when a pod's channel is prepared",
+        "daemon's readiness is checked per claim when a pod's channel is prepared"
+    )
+    return Verdict(ReadyStatus.READY, REASON_HOST_MANAGED, f"{message}; {isolation}" if isolation else message)
+
+
+def channel_entries(cliques: Iterable[ComputeDomainClique]) -> list[ComputeDomainChannel]:
+    """``status.channels`` from the domain's channel records (those being deleted no longer count)."""
+    return sorted(
+        (
+            ComputeDomainChannel(clique_id=c.clique_id, channel=c.channel)
+            for c in cliques
+            if c.channel is not None and c.metadata.deletion_timestamp is None
+        ),
+        key=lambda c: c.clique_id,
+    )
+
+
+def channel_text(channels: Sequence[ComputeDomainChannel]) -> str:
+    if not channels:
+        return (
+            "channel isolation: no pod has asked for an IMEX channel yet; each clique the domain's pods run in "
+            "gets one that no other ComputeDomain has there"
+        )
+    shown = ", ".join(f"{c.channel} in clique {c.clique_id}" for c in channels[:MAX_LISTED_NODES])
+    more = f" and {len(channels) - MAX_LISTED_NODES} more" if len(channels) > MAX_LISTED_NODES else ""
+    return f"channel isolation: IMEX channel {shown}{more}"
+
+
+def exhausted_verdict(cliques: Iterable[str], count: int) -> Verdict:
+    names = sorted(cliques)
+    shown = ", ".join(names[:MAX_LISTED_NODES]) + (
+        f" and {len(names) - MAX_LISTED_NODES} more" if len(names) > MAX_LISTED_NODES else ""
+    )
+    return Verdict(
+        ReadyStatus.NOT_READY,
+        REASON_CHANNELS_EXHAUSTED,
+        f"no free IMEX channel for this domain in clique {shown}: channels 1 to {count - 1} (IMEX_CHANNEL_COUNT "
+        f"{count}, the nodes' NVreg_ImexChannelCount; channel 0 is shared and never assigned) are all held by other "
+        "ComputeDomains or still prepared on a node; its pods there wait. Delete ComputeDomains that are no "
+        "longer used, or raise NVreg_ImexChannelCount on the nodes and resources.computeDomains.imex.channelCount",
     )
 
 
@@ -185,9 +227,14 @@ def failure_verdict(reason: str, message: str) -> Verdict:
 
 
 def build_status(
-    cd: ComputeDomain, verdict: Verdict, nodes: Sequence[ComputeDomainNode], now: datetime
+    cd: ComputeDomain,
+    verdict: Verdict,
+    nodes: Sequence[ComputeDomainNode],
+    now: datetime,
+    channels: Sequence[ComputeDomainChannel] | None = None,
 ) -> ComputeDomainStatus:
-    """The status to write; the condition keeps its transition time while its status does not change."""
+    """The status to write; the condition keeps its transition time while its status does not change.
+    ``channels`` None keeps the ones the status has."""
     old = current_condition(cd)
     cond_status = ConditionStatus.TRUE if verdict.status is ReadyStatus.READY else ConditionStatus.FALSE
     since = old.last_transition_time if old is not None and old.status is cond_status else now
@@ -200,7 +247,14 @@ def build_status(
         message=verdict.message,
     )
     others = [c for c in (cd.status.conditions or ()) if c.type != READY_CONDITION] if cd.status else []
-    return ComputeDomainStatus(status=verdict.status, nodes=list(nodes) or None, conditions=[*others, condition])
+    if channels is None:
+        channels = list(cd.status.channels or ()) if cd.status else []
+    return ComputeDomainStatus(
+        status=verdict.status,
+        nodes=list(nodes) or None,
+        conditions=[*others, condition],
+        channels=list(channels) or None,
+    )
 
 
 def current_condition(cd: ComputeDomain) -> Condition | None:
@@ -226,6 +280,10 @@ def status_differs(
     cur_nodes = {n.name: n for n in current.nodes or ()}
     new_nodes = {n.name: n for n in desired.nodes or ()}
     if cur_nodes != new_nodes:
+        return True
+    if {c.clique_id: c.channel for c in current.channels or ()} != {
+        c.clique_id: c.channel for c in desired.channels or ()
+    }:
         return True
     if not conditions:
         return False

@@ -55,6 +55,7 @@ from computedomain.kube.version import UnsupportedServerError, require_supported
 from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CdiSpecDir
 from computedomain.plugin.cdi_base import base_edits, write_base_spec
+from computedomain.plugin.channels import ChannelRecords
 from computedomain.plugin.checkpoint import CheckpointError, CheckpointStore, OpenReport
 from computedomain.plugin.claims import KubeClaimReader
 from computedomain.plugin.cleanup import Cleanup
@@ -128,6 +129,13 @@ class NodeAgent:
         self.claims = KubeClaimReader(client)
         if host_check is None and settings.host_managed:
             host_check = self._host_check
+        self.channels: ChannelRecords | None = None
+        self.channel_devices = 1
+        if settings.channel_isolation:
+            self.channels = ChannelRecords(
+                client, node_name=settings.node_name, namespace=settings.namespace, domains=self.domains
+            )
+            self.channel_devices = settings.imex_channel_claims_per_node
         self.preparer = Preparer(
             PreparerConfig(
                 node_name=settings.node_name,
@@ -135,6 +143,7 @@ class NodeAgent:
                 host_managed=settings.host_managed,
                 budget=Budget(settings.prepare_budget, settings.prepare_backoff_initial, settings.prepare_backoff_max),
                 daemon_namespaces=settings.managed_namespaces,
+                channel_devices=self.channel_devices,
             ),
             store=self.store,
             cdi_dir=self.cdi,
@@ -145,6 +154,7 @@ class NodeAgent:
             hardware=self.hardware,
             host_check=host_check,
             daemon_pods=KubeDaemonPods(client),
+            channels=self.channels,
         )
         self.retries = Retries.of(settings)
         self.cleanup = Cleanup(
@@ -183,7 +193,8 @@ class NodeAgent:
 
     def informers(self) -> list[Informer[Any]]:
         slices = [self.publisher.informer] if self.publisher is not None else []
-        return [self.domains.informer, self.node_informer, *self.readiness.informers(), *slices]
+        records = [self.channels.informer] if self.channels is not None else []
+        return [self.domains.informer, self.node_informer, *self.readiness.informers(), *records, *slices]
 
     def readiness_problems(self) -> list[str]:
         """Why the agent cannot keep its caches current (a refused list or watch), for readiness."""
@@ -230,7 +241,9 @@ class NodeAgent:
             self.checkpoint_report = self.store.open()
         except (CheckpointError, OSError) as exc:
             raise StartupError(f"cannot open the checkpoint in {self.plugin_dir}: {exc}") from None
-        devices = published_devices(host_managed=settings.host_managed, imex_supported=no_imex is None)
+        devices = published_devices(
+            host_managed=settings.host_managed, imex_supported=no_imex is None, channel_devices=self.channel_devices
+        )
         self.server.device_health = HealthReports(
             [d.name for d in devices],
             pool=settings.node_name,
@@ -307,6 +320,8 @@ class NodeAgent:
         spawn("cd-informer", self.domains.run)
         spawn("node-informer", self.node_informer.run)
         spawn("clique-informer", self.readiness.run)
+        if self.channels is not None:
+            spawn("channel-records", self.channels.run)
         await self.server.start()
         stopped: asyncio.Task[Any] = asyncio.create_task(stop.wait(), name="stop")
         try:

@@ -145,6 +145,11 @@ class CapabilityDevice:
         return f"{NVIDIA_CAPS_DIR}/nvidia-cap{self.minor}"
 
 
+def channel_device(index: int) -> str:
+    """The name of a published channel device: ``channel-0``; with channel isolation also ``channel-1`` ..."""
+    return f"channel-{index}"
+
+
 def channel_path(channel: int) -> str:
     return f"{IMEX_CHANNEL_DIR}/channel{channel}"
 

@@ -148,6 +148,9 @@ class PreparedResource(_Model):
     node_label: NodeLabel | None = Field(None, alias="nodeLabel")
     # Per-domain host directory mounted at /imexd (daemon claims).
     domain_dir: str | None = Field(None, alias="domainDir")
+    # Channel isolation: the clique whose ComputeDomainClique lists this claim for the domain's channel
+    # (undo takes it off there). Claims of the same domain may share such a channel on a node.
+    clique_id: str | None = Field(None, alias="cliqueID")
 
 
 class CheckpointDevice(_Model):
@@ -229,15 +232,24 @@ def check_prepare(cp: Checkpoint, uid: str, fingerprint: str) -> ClaimEntry | No
     return None
 
 
-def channel_holder(cp: Checkpoint, channels: Iterable[int], except_uid: str) -> tuple[int, str] | None:
-    """(channel, uid) of another completed claim that still holds one of channels, if any."""
+def channel_holder(
+    cp: Checkpoint, channels: Iterable[int], except_uid: str, *, domain: str | None = None
+) -> tuple[int, str] | None:
+    """(channel, uid) of another completed claim that still holds one of channels, if any. With ``domain``
+    (a channel of that domain under channel isolation), completed claims of the same domain do not count:
+    all claims of a domain on a node get its one channel."""
     wanted = set(channels)
     if not wanted:
         return None
     for entry in cp.in_state(ClaimState.PREPARE_COMPLETED):
         if entry.uid == except_uid:
             continue
-        taken = wanted & entry.channels
+        held = (
+            entry.channels
+            if domain is None
+            else {c for r in entry.resources if r.domain_id != domain for c in r.channels}
+        )
+        taken = wanted & held
         if taken:
             return min(taken), entry.uid
     return None
@@ -270,7 +282,10 @@ def begin_prepare(
     resources = tuple(resources)
     if check_prepare(cp, uid, fingerprint) is not None:
         raise InvalidTransitionError(f"claim {uid} is already PrepareCompleted; return its devices instead")
-    held = channel_holder(cp, (c for r in resources for c in r.channels), except_uid=uid)
+    held = channel_holder(cp, (c for r in resources if r.clique_id is None for c in r.channels), except_uid=uid)
+    for resource in resources:
+        if held is None and resource.clique_id is not None:
+            held = channel_holder(cp, resource.channels, except_uid=uid, domain=resource.domain_id)
     if held is not None:
         raise ChannelInUseError(*held)
     old = cp.get(uid)
@@ -287,6 +302,21 @@ def begin_prepare(
         updated_at=now,
     )
     return cp.with_entry(entry)
+
+
+def record_channel(cp: Checkpoint, uid: str, resource: PreparedResource, channel: int, *, now: datetime) -> Checkpoint:
+    """Channel isolation: the started claim's ``resource`` (its domain's channel in a clique, not known when
+    the entry was begun) gets ``channel``. Raises ChannelInUseError while a completed claim of another domain
+    on this node still holds it, InvalidTransitionError unless the claim is PrepareStarted with that resource."""
+    entry = cp.get(uid)
+    if entry is None or entry.state is not ClaimState.PREPARE_STARTED or resource not in entry.resources:
+        raise InvalidTransitionError(f"claim {uid} has no started resource {resource} to record a channel for")
+    held = channel_holder(cp, (channel,), except_uid=uid, domain=resource.domain_id)
+    if held is not None:
+        raise ChannelInUseError(*held)
+    updated = resource.model_copy(update={"channels": (channel,)})
+    resources = _merge((), (updated if r == resource else r for r in entry.resources))
+    return cp.with_entry(entry.model_copy(update={"resources": resources, "updated_at": now}))
 
 
 def complete_prepare(cp: Checkpoint, uid: str, devices: Iterable[CheckpointDevice], *, now: datetime) -> Checkpoint:

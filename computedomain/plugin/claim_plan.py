@@ -10,6 +10,11 @@ decode strictly (``opaque.resolve``: unknown fields and a ``domainID`` that is n
 every device is one this node publishes, from this node's pool; daemon claims are refused in hostManaged
 mode, and otherwise only prepared for pods of the domain's own DaemonSet (``daemon_owner``); a channel
 claim's ComputeDomain exists in the claim's own namespace, a daemon claim's anywhere.
+
+With channel isolation a channel device is a place for one claim, and the channel is the domain's in this
+node's clique, not the device's: ``allocationMode: All`` is refused, and the plan carries the clique (the
+undo record's ``cliqueID``) and the channel if it is known already; otherwise ``prepare`` acquires it
+(``channels``) once ``PrepareStarted`` is recorded.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
 from computedomain.plugin import cdi
 from computedomain.plugin.checkpoint import DeviceKind, NodeLabel, PreparedResource, claim_fingerprint
 from computedomain.plugin.collaborators import (
+    ChannelAssignments,
     ClaimReader,
     ClaimSnapshot,
     DomainInfo,
@@ -35,9 +41,14 @@ from computedomain.plugin.failures import ClaimRejected
 from computedomain.plugin.opaque import ResolvedDevice, resolve
 from computedomain.plugin.preparer import ClaimRef
 
-__all__ = ["PUBLISHED_DEVICES", "ClaimPlan", "ClaimPlanner", "DevicePlan"]
+__all__ = ["PUBLISHED_DEVICES", "ClaimPlan", "ClaimPlanner", "DevicePlan", "published_device_names"]
 
 PUBLISHED_DEVICES: Final = frozenset({cdi.CHANNEL_DEVICE, cdi.DAEMON_DEVICE})
+
+
+def published_device_names(channel_devices: int = 1) -> frozenset[str]:
+    """What a node publishes: ``channel-0`` (and with channel isolation ``channel-1`` ...) and ``daemon-0``."""
+    return PUBLISHED_DEVICES | {cdi.channel_device(i) for i in range(channel_devices)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +57,15 @@ class DevicePlan:
     domain: DomainInfo
     resource: PreparedResource
     inject_channels: tuple[int, ...] = ()
+
+    @property
+    def isolated(self) -> bool:
+        """Channel isolation on a node with a clique: the claim must hold the domain's channel (``acquire``)."""
+        return self.resource.clique_id is not None
+
+    def with_channel(self, channel: int) -> DevicePlan:
+        resource = self.resource.model_copy(update={"channels": (channel,)})
+        return DevicePlan(self.resolved, self.domain, resource, (channel,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +92,9 @@ class ClaimPlanner:
     #: where daemon claims may be prepared, and how their pods are read (None: no daemon claim passes)
     daemon_namespaces: tuple[str, ...] = ()
     daemon_pods: DaemonPods | None = None
+    # Channel isolation: the domains' channels (None without it), and how many channel devices are published.
+    channels: ChannelAssignments | None = None
+    channel_devices: int = 1
 
     async def plan(self, ref: ClaimRef) -> ClaimPlan:
         claim = await self.claims.get_claim(ref.namespace, ref.name)
@@ -91,7 +114,7 @@ class ClaimPlanner:
             raise ClaimRejected(
                 f"device {device.device} was allocated from pool {device.pool!r}, not from this node {self.node_name!r}"
             )
-        if device.device not in PUBLISHED_DEVICES:
+        if device.device not in published_device_names(self.channel_devices):
             raise ClaimRejected(f"device {device.device} is not a device this node publishes")
         kind = item.kind
         if kind is DeviceKind.DAEMON and self.host_managed:
@@ -112,6 +135,8 @@ class ClaimPlanner:
                 f"ComputeDomain {item.domain_id} not found in namespace {claim.namespace}{where}; a channel "
                 "claim must come from the ComputeDomain's own ResourceClaimTemplate"
             )
+        if self.channels is not None:
+            return self._isolated(item, domain)
         count = await self.run_blocking(self.hardware.imex_channel_count)
         # hostManaged: all domains share channel 0 of the host's IMEX domain.
         ids = (0,) if self.host_managed else tuple(cdi.channel_ids(item.all_channels, count))
@@ -119,3 +144,20 @@ class ClaimPlanner:
         label = None if self.host_managed else NodeLabel(key=COMPUTE_DOMAIN_LABEL, value=domain.uid)
         resource = PreparedResource(kind=kind, domain_id=domain.uid, channels=inject or (0,), node_label=label)
         return DevicePlan(item, domain, resource, inject)
+
+    def _isolated(self, item: ResolvedDevice, domain: DomainInfo) -> DevicePlan:
+        """Channel isolation: the domain's channel in this node's clique (hostManaged: no node label)."""
+        assert self.channels is not None
+        if item.all_channels:
+            raise ClaimRejected(
+                "allocationMode All is refused with channel isolation (IMEX_ISOLATION=channel): it would give the "
+                "pod every IMEX channel of the node, other ComputeDomains' channels included; use Single"
+            )
+        clique = self.hardware.clique_id
+        if not clique:
+            # Not on an MNNVL fabric: nothing to inject, no channel to hold.
+            return DevicePlan(item, domain, PreparedResource(kind=item.kind, domain_id=domain.uid))
+        known = self.channels.known(domain.uid, clique)
+        channels = (known,) if known is not None else ()
+        resource = PreparedResource(kind=item.kind, domain_id=domain.uid, channels=channels, clique_id=clique)
+        return DevicePlan(item, domain, resource, channels)

@@ -13,7 +13,9 @@ One round (`Cleanup.run_once`), never concurrent with itself:
 3. CDI spec files of ours that no live checkpoint entry lists (a crash between writing the spec and
    recording it, or a hand-made file) are removed;
 4. per-domain `/imexd` directories whose ComputeDomain is gone and that no live entry uses are removed
-   (upstream deletes them only here too, never at Unprepare, to avoid racing a re-created daemon pod).
+   (upstream deletes them only here too, never at Unprepare, to avoid racing a re-created daemon pod);
+5. channel isolation: claims this node still lists in a domain's channel record although the checkpoint no
+   longer holds them (their release at Unprepare failed) are taken off (`Preparer.release_stale_channels`).
 
 The claim lookup is a live GET with the client's deadline; an API error skips that entry until the next
 round. Rounds run on a one-key convergence loop (`kube.converge`): at start and every `interval_s`; a round
@@ -51,6 +53,7 @@ class CleanupReport:
     undone_claims: list[str] = field(default_factory=list)
     removed_specs: list[str] = field(default_factory=list)
     removed_domain_dirs: list[str] = field(default_factory=list)
+    released_channels: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
 
@@ -141,6 +144,12 @@ class Cleanup:
                     report.removed_specs.append(uid)
                     log.info("cleanup: removed CDI spec of a claim this node does not hold path=%s", path)
             await self._domain_dirs(dirs, checkpoint, report)
+            try:
+                report.released_channels = await self.preparer.release_stale_channels()
+            except Exception as exc:
+                log.warning("cleanup: could not release stale IMEX channel claims; next round error=%r", exc)
+            for uid in report.released_channels:
+                log.info("cleanup: released the IMEX channel of a claim this node no longer holds claim=%s", uid)
             return report
 
     def _list_domain_dirs(self) -> list[Path]:

@@ -3,7 +3,8 @@ that ``app`` injects (Kubernetes-backed in the agent, in-memory in unit tests an
 
 Reads: the claim (``ClaimReader``, one live GET), the ComputeDomain (``DomainLookup``), the node's
 hardware (``Hardware``). Side effects: the node's CD label (``NodeLabeler``), the wait for this node's
-daemon (``DaemonReadiness``), the host IMEX check of hostManaged mode (``HostCheck``).
+daemon (``DaemonReadiness``), the host IMEX check of hostManaged mode (``HostCheck``), and with channel
+isolation the domain's channel in this node's clique (``ChannelAssignments``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar
 from computedomain.plugin.cdi import CapabilityDevice
 
 __all__ = [
+    "ChannelAssignments",
     "ClaimReader",
     "ClaimSnapshot",
     "DaemonReadiness",
@@ -107,6 +109,29 @@ class Hardware(Protocol):
 
 
 HostCheck = Callable[[], Awaitable[None]]
+
+
+class ChannelAssignments(Protocol):
+    """Channel isolation: the IMEX channel of a domain in a clique (``plugin.channels``)."""
+
+    def known(self, domain_uid: str, clique_id: str) -> int | None:
+        """The channel as far as is known without asking (a cache), or None."""
+        ...
+
+    async def acquire(
+        self, domain: DomainInfo, clique_id: str, claim_uid: str, *, channel_count: int, timeout_s: float
+    ) -> int:
+        """List the claim as holding the domain's channel, wait until the channel is assigned, return it;
+        ChannelNotAssignedError after timeout_s."""
+        ...
+
+    async def release(self, domain_uid: str, clique_id: str, claim_uid: str) -> bool:
+        """The claim no longer holds the channel; True when it was listed."""
+        ...
+
+    def node_claims(self) -> list[tuple[str, str, str]]:
+        """(domain UID, clique ID, claim UID) of every claim this node has listed."""
+        ...
 
 
 class RunBlocking(Protocol):

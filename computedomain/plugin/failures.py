@@ -3,8 +3,8 @@
 Every collaborator of Prepare raises its own errors; ``classify`` maps each to one of two answers:
 
 * ``RetryableError``: another attempt may succeed (the daemon is not Ready yet, another domain's label or
-  another claim's channel is still on the node, the host IMEX daemon is not READY, the API is unavailable,
-  the checkpoint lock is busy). ``StillWaitingError`` is the retryable case where nothing failed: the
+  another claim's channel is still on the node, the host IMEX daemon is not READY, the domain has no IMEX
+  channel in this clique yet, the API is unavailable, the checkpoint lock is busy). ``StillWaitingError`` is the retryable case where nothing failed: the
   attempt waited until the end of the budget for something that is on its way;
 * ``ClaimRejected``: the claim cannot be prepared as it is (an invalid opaque config, a claim that was
   replaced or is not allocated, a ComputeDomain in another namespace or absent, a stale Prepare, a daemon
@@ -24,6 +24,7 @@ from imex.discovery import HardwareError
 from imex.host_check import HostCheckError
 
 __all__ = [
+    "ChannelNotAssignedError",
     "ClaimError",
     "ClaimNotFoundError",
     "ClaimRejected",
@@ -68,6 +69,11 @@ class NotReadyError(Exception):
     """This node's IMEX daemon of the domain did not become Ready in time; the message says what was seen."""
 
 
+class ChannelNotAssignedError(Exception):
+    """Channel isolation: the domain has no IMEX channel in this clique yet; the message says what it waits
+    for (and quotes the domain's condition when no channel is free)."""
+
+
 def classify(exc: BaseException) -> ClaimError | None:
     """Map an error of a collaborator to retryable or rejected; None for unexpected ones (bugs)."""
     if isinstance(exc, ClaimError):
@@ -80,6 +86,9 @@ def classify(exc: BaseException) -> ClaimError | None:
         return ClaimRejected(str(exc))
     if isinstance(exc, NotReadyError):
         return StillWaitingError(str(exc))
+    if isinstance(exc, ChannelNotAssignedError):
+        # Said, not left out of the answer: the pod's Events tell the user what the claim waits for.
+        return RetryableError(str(exc))
     if isinstance(exc, ChannelInUseError | LockTimeoutError | LabelConflictError | CheckpointError):
         # A corrupt checkpoint too: another attempt may see a repaired file, and the message says what to do.
         return RetryableError(str(exc))

@@ -7,6 +7,7 @@ Read the units in this order; each is small and does one job:
 2. `failures`: what can go wrong, and whether another attempt can help;
 3. `claim_plan`: every check that needs no side effect, and the plan (undo record, channels to inject);
 4. `side_effects`: what is done on the node per device (label, readiness wait, host check, `/imexd`);
+   with channel isolation, `channels` first makes the claim a holder of its domain's channel;
 5. `budget`: attempts and backoff within the kubelet's deadline, and what the kubelet gets when it ends;
 6. this module: the order of one attempt around the checkpoint, one attempt per claim at a time, and
    Unprepare.
@@ -14,12 +15,14 @@ Read the units in this order; each is small and does one job:
 One Prepare attempt: plan the claim (nothing touched yet) -> the checkpoint decides (completed: return the
 stored devices; a tombstone of the same claim state: `StalePrepareError`, permanent, upstream #1162;
 another completed claim holds the channel: retryable, #641) -> record `PrepareStarted` with the full undo
-plan -> side effects per device -> write the claim's CDI spec -> `PrepareCompleted` with the devices
-returned to the kubelet. A crash at any point leaves an entry that says what may exist.
+plan -> side effects per device (with channel isolation first: hold the domain's channel, then record it,
+checked against the other claims on the node) -> write the claim's CDI spec -> `PrepareCompleted` with the
+devices returned to the kubelet. A crash at any point leaves an entry that says what may exist.
 
 Unprepare works from the checkpoint alone: it never fetches the claim or the CD and never validates
 configs. It cancels a Prepare of the same claim still running in this process, undoes what the entry lists
-(label only while it still has our value; CDI spec files), and leaves a tombstone.
+(label only while it still has our value; CDI spec files; the claim's entry in its domain's channel record,
+best effort, which the cleanup finishes), and leaves a tombstone.
 
 Concurrency: one task per claim of a request; claims are independent except through the checkpoint, whose
 read-modify-writes run one at a time in a worker thread (``run_blocking``, injectable) (an asyncio lock in front of the file lock keeps
@@ -56,10 +59,12 @@ from computedomain.plugin.checkpoint import (
     check_prepare,
     complete_prepare,
     finish_unprepare,
+    record_channel,
     undo_plan,
 )
 from computedomain.plugin.claim_plan import ClaimPlanner, DevicePlan
 from computedomain.plugin.collaborators import (
+    ChannelAssignments,
     ClaimReader,
     DaemonReadiness,
     DomainLookup,
@@ -71,7 +76,7 @@ from computedomain.plugin.collaborators import (
 from computedomain.plugin.daemon_owner import DaemonPods
 from computedomain.plugin.failures import ClaimRejected
 from computedomain.plugin.preparer import ClaimRef, ClaimUid, PreparedDevice, PrepareResult, UnprepareResult
-from computedomain.plugin.side_effects import SideEffects
+from computedomain.plugin.side_effects import READINESS_MARGIN_S, SideEffects
 
 __all__ = ["Preparer", "PreparerConfig"]
 
@@ -107,6 +112,8 @@ class PreparerConfig:
     budget: Budget = field(default_factory=Budget)
     #: the namespaces the IMEX daemons run in: daemon claims elsewhere are refused
     daemon_namespaces: tuple[str, ...] = ()
+    # Channel isolation: channel devices the node publishes (with `Preparer(channels=...)`).
+    channel_devices: int = 1
 
     @property
     def domains_dir(self) -> Path:
@@ -129,6 +136,7 @@ class Preparer:
         hardware: Hardware,
         host_check: HostCheck | None = None,
         daemon_pods: DaemonPods | None = None,
+        channels: ChannelAssignments | None = None,
         clock: Clock | None = None,
         now: Callable[[], datetime] = utcnow,
         rng: random.Random | None = None,
@@ -139,6 +147,8 @@ class Preparer:
         self.store = store
         self.cdi = cdi_dir
         self.labels = labels
+        self.channels = channels
+        self.hardware = hardware
         self.clock: Clock = clock or MonotonicClock()
         self._now = now
         self._rng = rng or random.Random()
@@ -153,6 +163,8 @@ class Preparer:
             run_blocking=run_blocking,
             daemon_namespaces=config.daemon_namespaces,
             daemon_pods=daemon_pods,
+            channels=channels,
+            channel_devices=config.channel_devices,
         )
         self.effects = SideEffects(
             host_managed=config.host_managed,
@@ -280,11 +292,14 @@ class Preparer:
                 )
             )
             edits: dict[str, ContainerEdits] = {}
-            for device in plan.devices:
+            devices_planned = list(plan.devices)
+            for i, device in enumerate(devices_planned):
+                if device.isolated:
+                    devices_planned[i] = device = await self._acquire_channel(ref, device, deadline)
                 edits[device.resolved.device.device] = await self.effects.apply(device, deadline)
             spec = ClaimSpec(ref.uid, edits)
             await self.run_blocking(self.cdi.write, spec)
-            devices = tuple(self._result_device(spec, d) for d in plan.devices)
+            devices = tuple(self._result_device(spec, d) for d in devices_planned)
             try:
                 await self._update(lambda cp: (complete_prepare(cp, ref.uid, devices, now=self._now()), None))
             except InvalidTransitionError:
@@ -297,6 +312,25 @@ class Preparer:
             ",".join(f"{d.device_name}:{'/'.join(d.cdi_device_ids) or '-'}" for d in devices),
         )
         return PrepareResult(devices=tuple(_to_prepared(d) for d in devices))
+
+    async def _acquire_channel(self, ref: ClaimRef, device: DevicePlan, deadline: float) -> DevicePlan:
+        """Channel isolation: hold the domain's channel in this clique (listed in its record before anything
+        is injected), then record it in the checkpoint, whose guard refuses it while another domain's claim
+        on this node still holds it."""
+        assert self.channels is not None and device.resource.clique_id is not None
+        count = await self.run_blocking(self.hardware.imex_channel_count)
+        channel = await self.channels.acquire(
+            device.domain,
+            device.resource.clique_id,
+            ref.uid,
+            channel_count=count,
+            timeout_s=deadline - self.clock.now() - READINESS_MARGIN_S,
+        )
+        if device.resource.channels == (channel,):
+            return device
+        now = self._now()
+        await self._update(lambda cp: (record_channel(cp, ref.uid, device.resource, channel, now=now), None))
+        return device.with_channel(channel)
 
     def _result_device(self, spec: ClaimSpec, device: DevicePlan) -> CheckpointDevice:
         allocated = device.resolved.device
@@ -346,8 +380,38 @@ class Preparer:
                     log.info("removed node label %s=%s claim=%s", label.key, label.value, uid)
         for spec_file in entry.cdi_spec_files:
             await self.run_blocking(self.cdi.remove_recorded, spec_file)
+        await self._release_channels(uid, entry)
         await self._update(lambda cp: (finish_unprepare(cp, uid, now=self._now()), None))
         return entry
+
+    async def _release_channels(self, uid: str, entry: ClaimEntry) -> None:
+        """Take the claim off its domains' channel records. Best effort: a failure leaves the channel reserved
+        a while longer (never less), until the cleanup sees the claim gone from the checkpoint."""
+        if self.channels is None:
+            return
+        for resource in entry.resources:
+            if resource.clique_id is None:
+                continue
+            try:
+                await self.channels.release(resource.domain_id, resource.clique_id, uid)
+            except Exception as exc:
+                log.warning("could not release the IMEX channel yet (the cleanup retries) claim=%s error=%s", uid, exc)
+
+    async def release_stale_channels(self) -> list[str]:
+        """Cleanup: claims this node lists in channel records that the checkpoint no longer holds (their
+        release failed, or the agent stopped in between). Each is decided under its claim lock, so a Prepare
+        of the same claim cannot interleave. Returns the released claim UIDs."""
+        if self.channels is None:
+            return []
+        released = []
+        for domain_uid, clique_id, claim_uid in self.channels.node_claims():
+            async with self._claim_lock(claim_uid):
+                entry = (await self.run_blocking(self.store.read)).get(claim_uid)
+                if entry is not None and not entry.state.is_tombstone:
+                    continue
+                if await self.channels.release(domain_uid, clique_id, claim_uid):
+                    released.append(claim_uid)
+        return released
 
 
 def _to_prepared(device: CheckpointDevice) -> PreparedDevice:

@@ -2,7 +2,8 @@
 
 One pool named after the node, one slice, owned by the Node (so it goes when the Node goes), holding
 `channel-0` {type: channel, id: 0} and, in driverManaged mode, `daemon-0` {type: daemon, id: 0} (SPEC
-section 2). A node without IMEX support (no `nvidia-caps-imex-channels` device, no params) publishes
+section 2); with channel isolation `channel-1` ... too (`IMEX_CHANNEL_CLAIMS_PER_NODE` in all), so that claims
+of several domains fit on one node. A node without IMEX support (no `nvidia-caps-imex-channels` device, no params) publishes
 nothing, and says why once in the log and as a Warning Event on the Node, instead of crash-looping.
 
 The slice has a deterministic name (`<node>-compute-domain.nvidia.com`, shortened with a hash if too long);
@@ -50,13 +51,15 @@ class Device:
         return {"name": self.name, "attributes": {"type": {"string": self.type}, "id": {"int": self.id}}}
 
 
-def published_devices(*, host_managed: bool, imex_supported: bool) -> tuple[Device, ...]:
+def published_devices(*, host_managed: bool, imex_supported: bool, channel_devices: int = 1) -> tuple[Device, ...]:
+    """``channel_devices`` > 1 only with channel isolation: then each channel device is a place for one claim
+    (of any domain), and the IMEX channel the claim gets is its domain's, not the device's id."""
     if not imex_supported:
         return ()
-    channel = Device(cdi.CHANNEL_DEVICE, "channel", 0)
+    channels = tuple(Device(cdi.channel_device(i), "channel", i) for i in range(channel_devices))
     if host_managed:
-        return (channel,)
-    return (channel, Device(cdi.DAEMON_DEVICE, "daemon", 0))
+        return channels
+    return (*channels, Device(cdi.DAEMON_DEVICE, "daemon", 0))
 
 
 def slice_name(node_name: str, driver: str = DRIVER_NAME) -> str:

@@ -32,12 +32,13 @@ from tests.bench.harness import Bench
 from tests.bench.report import summary, write
 from tests.testbed.cluster import DEFAULT_ROOT, REPO, LocalCluster, running_cluster
 
-BENCHMARKS = ("controller", "plugin", "system", "fleet")
+BENCHMARKS = ("controller", "plugin", "system", "fleet", "channels")
 TITLES = {
     "controller": "Controller: create burst vs the API-write floor, Ready latency, domains at scale (SPEC 9)",
     "plugin": "Node agent: channel Prepare latency (SPEC 9)",
     "system": "System: one domain over simulated NVL72 racks, end to end (SPEC 9: a rack in seconds)",
     "fleet": "Fleet: kwok nodes and many domains at once (controller convergence, requests, memory)",
+    "channels": "Channel isolation: assignment of many domains at once, the extra time per Prepare",
 }
 
 

@@ -130,7 +130,15 @@ def per_limits(section: Section, all_limits: list[Limits], make: Callable[[Limit
 class ControllerProcess:
     """`python -m tests.cluster.controller.proc`: the controller's entry point, limited to one namespace."""
 
-    def __init__(self, bench: Bench, driver_ns: str, cd_ns: str, lim: Limits, kubeconfig: Path) -> None:
+    def __init__(
+        self,
+        bench: Bench,
+        driver_ns: str,
+        cd_ns: str,
+        lim: Limits,
+        kubeconfig: Path,
+        extra: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         env = {
             **{k: v for k, v in os.environ.items() if k not in ("KUBE_API_QPS", "KUBE_API_BURST")},
@@ -141,6 +149,7 @@ class ControllerProcess:
             "HTTP_ENDPOINT": f"127.0.0.1:{self.port}",
             "LOG_LEVEL": os.environ.get("BENCH_CONTROLLER_LOG_LEVEL", "warning"),
             "TEST_CD_NAMESPACE": cd_ns,
+            **(extra or {}),
         }
         # Its log goes to a file: a pipe nobody reads fills up and stops the controller at its next write.
         self.log = bench.local.logs / f"bench-controller-{bench.tag}-{self.port}.log"

@@ -38,6 +38,7 @@ from computedomain.api.constants import CHANNEL_DEVICE_CLASS, COMPUTE_DOMAIN_LAB
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, NODES, RESOURCE_CLAIMS, KubeClient
 from computedomain.kube.errors import NotFound
 from computedomain.plugin.checkpoint import expire_tombstones
+from computedomain.plugin.collaborators import DomainInfo
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
 from imex.host_check import check_host_imex_ready
@@ -77,9 +78,9 @@ async def expire(bed: Bed) -> None:
 
 
 async def channel_rounds(
-    bed: Bed, kubelet: KubeletClient, rounds: int, *, mode: str | None = None
+    bed: Bed, kubelet: KubeletClient, rounds: int, *, mode: str | None = None, cd: DomainInfo | None = None
 ) -> tuple[list[float], int]:
-    cd = bed.domains.add("bench")
+    cd = cd or bed.domains.add("bench")
     bed.readiness.set_ready(cd.uid)
     latencies: list[float] = []
     errors = 0

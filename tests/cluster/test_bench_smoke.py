@@ -31,6 +31,8 @@ FIGURES = {
     "system": ["create -> CD Ready", "last clique entry Ready -> CD Ready", "controller's own part"],
     "fleet": ["domains created at once -> all Ready observed", "controller API requests per domain lifecycle",
               "controller RSS,"],
+    "channels": ["channel record created -> channel seen", "channel records at once -> all assigned",
+                 "extra time per Prepare with channel isolation"],
 }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from computedomain.settings import (
 
 OK = None
 NODE = {"NODE_NAME": "gb-1"}
+HOST_ISOLATED = "HostManagedIMEXDaemon=true,IMEXChannelIsolation=true"
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,21 @@ NODE = {"NODE_NAME": "gb-1"}
         # rule 3 and 4: isolation
         ({"IMEX_ISOLATION": "channel"}, "IMEX_ISOLATION=channel is not implemented yet; use domain"),
         ({"IMEX_ISOLATION": "node"}, "IMEX_ISOLATION 'node' is unknown; use domain"),
+        # channel isolation: only with its gate (the message above stays without it), only hostManaged
+        ({"IMEX_ISOLATION": "channel", "FEATURE_GATES": "IMEXChannelIsolation=false"}, "not implemented yet"),
+        (
+            {"IMEX_ISOLATION": "channel", "FEATURE_GATES": "IMEXChannelIsolation=true"},
+            "IMEX_ISOLATION=channel needs IMEX_MODE=hostManaged: in driverManaged mode every ComputeDomain runs",
+        ),
+        (
+            {"IMEX_MODE": "hostManaged", "IMEX_ISOLATION": "channel", "FEATURE_GATES": HOST_ISOLATED},
+            OK,
+        ),
+        ({"IMEX_ISOLATION": "node", "FEATURE_GATES": "IMEXChannelIsolation=true"}, "use domain or channel"),
+        (
+            {"IMEX_MODE": "hostManaged", "IMEX_ISOLATION": "channel", "FEATURE_GATES": "IMEXChannelIsolation=true"},
+            "HostManagedIMEXDaemon=true",
+        ),
         # rule 5: cliques require DNS names (driverManaged) ...
         (
             {"FEATURE_GATES": "IMEXDaemonsWithDNSNames=false"},
@@ -78,6 +94,7 @@ def test_startup_rules(cls: type[ControllerSettings | PluginSettings], env: dict
         ("", FeatureGate.COMPUTE_DOMAIN_CLIQUES, True),
         ("", FeatureGate.CRASH_ON_NVLINK_FABRIC_ERRORS, True),
         ("", FeatureGate.HOST_MANAGED_IMEX_DAEMON, False),
+        ("", FeatureGate.IMEX_CHANNEL_ISOLATION, False),
         ("CrashOnNVLinkFabricErrors=false", FeatureGate.CRASH_ON_NVLINK_FABRIC_ERRORS, False),
         (" HostManagedIMEXDaemon = TRUE ,", FeatureGate.HOST_MANAGED_IMEX_DAEMON, True),
     ],
@@ -93,6 +110,15 @@ def test_host_managed_forces_daemon_gates_off() -> None:
     assert settings.imex_mode is ImexMode.HOST_MANAGED
     assert not settings.gate(FeatureGate.IMEX_DAEMONS_WITH_DNS_NAMES)
     assert not settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES)
+
+
+def test_channel_isolation_settings() -> None:
+    env = {"IMEX_MODE": "hostManaged", "IMEX_ISOLATION": "channel", "FEATURE_GATES": HOST_ISOLATED}
+    controller = load_settings(ControllerSettings, environ=env)
+    assert controller.channel_isolation and controller.imex_channel_count == 2048
+    plugin = load_settings(PluginSettings, environ={**NODE, **env, "IMEX_CHANNEL_CLAIMS_PER_NODE": "4"})
+    assert plugin.channel_isolation and plugin.imex_channel_claims_per_node == 4
+    assert not load_settings(ControllerSettings, environ={}).channel_isolation
 
 
 def test_flags_override_env() -> None:
@@ -130,6 +156,10 @@ def test_flags_override_env() -> None:
         (ControllerSettings, {"RETRY_WARN_AFTER": "0"}, "RETRY_WARN_AFTER 0 must be at least 1"),
         (PluginSettings, {**NODE, "PREPARE_BUDGET": "45"}, "PREPARE_BUDGET 45.0 must be above 0 and below 45"),
         (PluginSettings, {**NODE, "CLEANUP_INTERVAL": "-1"}, "CLEANUP_INTERVAL -1.0 must not be negative"),
+        (ControllerSettings, {"IMEX_CHANNEL_COUNT": "1"}, "IMEX_CHANNEL_COUNT 1 must be between 2 and 1048576"),
+        (ControllerSettings, {"IMEX_CHANNEL_COUNT": "1048577"}, "IMEX_CHANNEL_COUNT 1048577 must be between"),
+        (PluginSettings, {**NODE, "IMEX_CHANNEL_CLAIMS_PER_NODE": "0"}, "IMEX_CHANNEL_CLAIMS_PER_NODE 0 must be"),
+        (PluginSettings, {**NODE, "IMEX_CHANNEL_CLAIMS_PER_NODE": "129"}, "one ResourceSlice holds 128 devices"),
     ],
 )
 def test_process_specific_rules(

@@ -111,3 +111,41 @@ async def ctl_reconcile(ctl: Any, uid: str) -> Any:
     from computedomain.controller.executor import Reconciler, Writer
 
     return await Reconciler(Writer(ctl.client, ctl.caches, None), ctl.settings).reconcile(uid)
+
+
+ISOLATED = {
+    **HOST,
+    "IMEX_ISOLATION": "channel",
+    "FEATURE_GATES": "HostManagedIMEXDaemon=true,IMEXChannelIsolation=true",
+}
+
+
+async def test_guard_refuses_to_switch_the_isolation_under_live_domains(harness: Harness) -> None:
+    """Both ways; a template of either channel class is the domain's own (adopted), so the guard sees it."""
+    h = harness
+    async with h.controller(**HOST):
+        h.create_cd("shared-made")
+        await eventually(
+            lambda: h.try_get("resourceclaimtemplate", "shared-made-channel", "-n", h.cd_ns), what="template"
+        )
+    with pytest.raises(ModeConflictError) as refused:
+        async with h.controller(**ISOLATED):
+            pass
+    message = str(refused.value)
+    assert "refusing to start with IMEX_ISOLATION=channel" in message and f"{h.cd_ns}/shared-made" in message
+
+    async with h.controller(**HOST):  # the way out: delete the domains under the isolation they were made with
+        h.kubectl("delete", "computedomain", "shared-made", "-n", h.cd_ns, "--wait=false")
+        await eventually(lambda: h.try_get("computedomain", "shared-made", "-n", h.cd_ns) is None or None, what="gone")
+    async with h.controller(**ISOLATED):
+        h.create_cd("isolated-made")
+        template = await eventually(
+            lambda: h.try_get("resourceclaimtemplate", "isolated-made-channel", "-n", h.cd_ns), what="template"
+        )
+        request = template["spec"]["spec"]["devices"]["requests"][0]
+        assert request["exactly"]["deviceClassName"] == "compute-domain-channel.nvidia.com"
+    with pytest.raises(ModeConflictError) as refused:
+        async with h.controller(**HOST):
+            pass
+    message = str(refused.value)
+    assert "refusing to start with IMEX_ISOLATION=domain" in message and f"{h.cd_ns}/isolated-made" in message

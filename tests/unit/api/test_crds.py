@@ -31,7 +31,9 @@ def test_compute_domain_schema() -> None:
     assert crd["spec"]["scope"] == "Namespaced"
     assert version["name"] == "v1beta1" and version["served"] and version["storage"]
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Status", "Nodes", "Age"]
+    columns = version["additionalPrinterColumns"]
+    assert [c["name"] for c in columns] == ["Status", "Nodes", "Age", "Channels"]
+    assert columns[-1]["priority"] == 1  # channel isolation only: shown with -o wide
     assert "cd" in crd["spec"]["names"]["shortNames"]
 
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -53,15 +55,32 @@ def test_compute_domain_schema() -> None:
     conditions = status["conditions"]
     assert conditions["x-kubernetes-list-map-keys"] == ["type"]
     assert set(conditions["items"]["required"]) == {"type", "status", "lastTransitionTime", "reason", "message"}
+    channels = status["channels"]
+    assert channels["x-kubernetes-list-map-keys"] == ["cliqueID"]
+    assert channels["items"]["properties"]["channel"]["minimum"] == 1
 
 
 def test_clique_schema() -> None:
     crd = crdgen.compute_domain_clique_crd()
     version = _version(crd)
     assert "subresources" not in version
-    daemons = version["schema"]["openAPIV3Schema"]["properties"]["daemons"]
+    schema = version["schema"]["openAPIV3Schema"]
+    daemons = schema["properties"]["daemons"]
     assert daemons["x-kubernetes-list-map-keys"] == ["nodeName"]
     assert daemons["items"]["required"] == ["nodeName", "ipAddress", "cliqueID"]
+    # Channel isolation: optional fields, so every object valid for the reference stays valid.
+    assert "required" not in schema
+    assert schema["properties"]["channel"] == {
+        "description": schema["properties"]["channel"]["description"],
+        "type": "integer",
+        "minimum": 1,
+    }
+    claims = schema["properties"]["preparedClaims"]
+    assert claims["x-kubernetes-list-map-keys"] == ["claimUID"]
+    assert claims["items"]["required"] == ["claimUID", "nodeName"]
+    (rule,) = schema["x-kubernetes-validations"]
+    assert "oldSelf.channel" in rule["rule"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Channel", "Age"]
 
 
 def test_generated_yaml_is_parseable_and_headed() -> None:

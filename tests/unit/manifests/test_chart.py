@@ -311,12 +311,19 @@ def test_chart_crds_are_the_generated_ones() -> None:
 
 
 def test_device_classes_match_manifests_deviceclasses(default: Rendered) -> None:
-    for name, file in [
-        ("compute-domain-default-channel.nvidia.com", "channel.yaml"),
-        ("compute-domain-daemon.nvidia.com", "daemon.yaml"),
+    isolated = render(
+        "resources.computeDomains.imex.mode=hostManaged",
+        "featureGates.HostManagedIMEXDaemon=true",
+        "featureGates.IMEXChannelIsolation=true",
+        "resources.computeDomains.imex.isolation=channel",
+    )
+    for name, file, chart in [
+        ("compute-domain-default-channel.nvidia.com", "channel.yaml", default),
+        ("compute-domain-daemon.nvidia.com", "daemon.yaml", default),
+        ("compute-domain-channel.nvidia.com", "channel-isolated.yaml", isolated),
     ]:
         on_disk = yaml.safe_load((REPO / "manifests" / "deviceclasses" / file).read_text())
-        rendered = default.one("DeviceClass", name)
+        rendered = chart.one("DeviceClass", name)
         assert (rendered["apiVersion"], rendered["metadata"]["name"], rendered["spec"]) == (
             on_disk["apiVersion"],
             on_disk["metadata"]["name"],

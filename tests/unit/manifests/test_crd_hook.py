@@ -55,7 +55,7 @@ async def test_replaces_the_spec_and_keeps_metadata_and_status(capsys: pytest.Ca
     assert body["spec"] == WANTED["spec"]
     assert body["metadata"]["annotations"] == {"keep": "me"} and body["metadata"]["resourceVersion"] == "7"
     assert body["status"] == {"storedVersions": ["v1beta1"]}
-    assert "is current (short names cd, 3 printer columns" in capsys.readouterr().out
+    assert "is current (short names cd, 4 printer columns" in capsys.readouterr().out
 
 
 async def test_a_stored_version_the_chart_does_not_serve_changes_nothing(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,8 @@ from computedomain.settings import ControllerSettings, PluginSettings, SettingsE
 from tests.unit.manifests.chart import CHART, need_helm, render, template_error
 
 GATE = "featureGates.HostManagedIMEXDaemon=true"
+ISOLATION_GATE = "featureGates.IMEXChannelIsolation=true"
+ISOLATED = "resources.computeDomains.imex.isolation=channel"
 
 # (helm --set values, env of the process, settings class, the value helm must name)
 CASES = [
@@ -42,6 +44,30 @@ CASES = [
         "imex.isolation",
     ),
     (["resources.computeDomains.imex.isolation=node"], {"IMEX_ISOLATION": "node"}, ControllerSettings, "isolation"),
+    (
+        ["resources.computeDomains.imex.isolation=node", ISOLATION_GATE],
+        {"IMEX_ISOLATION": "node", "FEATURE_GATES": "IMEXChannelIsolation=true,"},
+        ControllerSettings,
+        "isolation",
+    ),
+    (
+        ["resources.computeDomains.imex.isolation=channel", ISOLATION_GATE],
+        {"IMEX_ISOLATION": "channel", "FEATURE_GATES": "IMEXChannelIsolation=true,"},
+        ControllerSettings,
+        "imex.isolation",
+    ),
+    (
+        ["resources.computeDomains.imex.channelCount=1"],
+        {"IMEX_CHANNEL_COUNT": "1"},
+        ControllerSettings,
+        "imex.channelCount",
+    ),
+    (
+        ["resources.computeDomains.imex.channelClaimsPerNode=200"],
+        {"IMEX_CHANNEL_CLAIMS_PER_NODE": "200"},
+        PluginSettings,
+        "imex.channelClaimsPerNode",
+    ),
     (
         ["featureGates.IMEXDaemonsWithDNSNames=false"],
         {"FEATURE_GATES": "IMEXDaemonsWithDNSNames=false,"},
@@ -147,10 +173,30 @@ def test_set_string_false_is_false() -> None:
         ["featureGates.IMEXDaemonsWithDNSNames=false", "featureGates.ComputeDomainCliques=false"],
         ["featureGates.MPSSupport=true", "logLevel=DEBUG"],
         ["resources.computeDomains.imex.hostSocketPath=/run/imex/ctl.sock"],
+        ["resources.computeDomains.imex.mode=hostManaged", GATE, ISOLATION_GATE, ISOLATED],
+        ["resources.computeDomains.imex.mode=hostManaged", GATE, ISOLATION_GATE],  # the gate alone changes nothing
     ],
 )
 def test_valid_combinations_render(sets: list[str]) -> None:
     assert render(*sets).all("Deployment")
+
+
+def test_channel_isolation_renders_its_class_env_rbac_and_policy() -> None:
+    isolated = render("resources.computeDomains.imex.mode=hostManaged", GATE, ISOLATION_GATE, ISOLATED,
+                      "resources.computeDomains.imex.channelCount=64")  # fmt: skip
+    plain = render("resources.computeDomains.imex.mode=hostManaged", GATE)
+    cls = "compute-domain-channel.nvidia.com"
+    assert cls in isolated.names("DeviceClass") and cls not in plain.names("DeviceClass")
+    assert any("channel-records" in n for n in isolated.names("ValidatingAdmissionPolicy"))
+    assert not any("channel-records" in n for n in plain.names("ValidatingAdmissionPolicy"))
+    controller = isolated.one("Deployment", component="controller")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in controller["env"]}
+    assert (env["IMEX_ISOLATION"], env["IMEX_CHANNEL_COUNT"]) == ("channel", "64")
+    roles = {r["metadata"]["name"]: r for r in isolated.all("Role")}
+    locks = next(r for n, r in roles.items() if n.endswith("controller-channel-locks"))
+    assert locks["rules"][0]["resources"] == ["leases"] and "create" in locks["rules"][0]["verbs"]
+    agent = next(r for n, r in roles.items() if n.endswith("kubelet-plugin"))
+    assert agent["rules"][0]["verbs"] == ["get", "list", "watch", "create", "patch"]
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,14 @@ from computedomain.kube.clock import Clock, FakeClock, MonotonicClock, run_withi
 from computedomain.plugin.budget import Budget
 from computedomain.plugin.cdi import CapabilityDevice, CdiSpecDir
 from computedomain.plugin.checkpoint import CheckpointStore
-from computedomain.plugin.collaborators import ClaimSnapshot, DomainInfo
+from computedomain.plugin.collaborators import ChannelAssignments, ClaimSnapshot, DomainInfo
 from computedomain.plugin.daemon_owner import OwnerRef, PodFacts
-from computedomain.plugin.failures import ClaimNotFoundError, LabelConflictError, NotReadyError
+from computedomain.plugin.failures import (
+    ChannelNotAssignedError,
+    ClaimNotFoundError,
+    LabelConflictError,
+    NotReadyError,
+)
 from computedomain.plugin.prepare import Preparer, PreparerConfig
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
 
@@ -164,6 +169,66 @@ class FakeReadiness:
             raise NotReadyError(f"node {NODE} not ready in ComputeDomain {domain.namespace}/{domain.name}") from None
 
 
+class FakeChannels:
+    """Channel records in memory: ``acquire`` lists the claim and, with ``auto``, plays the controller at once
+    (the next free channel from 1); otherwise a test assigns with ``assign``. ``release_fails`` makes releases
+    raise, as an unreachable apiserver would."""
+
+    def __init__(self, clock: Clock, *, auto: bool = True) -> None:
+        self.clock = clock
+        self.auto = auto
+        self.channels: dict[tuple[str, str], int] = {}
+        self.claims: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        self.release_fails = False
+        self.acquired = 0
+        self._changed = asyncio.Event()
+
+    def known(self, domain_uid: str, clique_id: str) -> int | None:
+        return self.channels.get((domain_uid, clique_id))
+
+    def assign(self, domain_uid: str, clique_id: str, channel: int) -> None:
+        self.channels[(domain_uid, clique_id)] = channel
+        self._changed.set()
+
+    async def acquire(
+        self, domain: DomainInfo, clique_id: str, claim_uid: str, *, channel_count: int, timeout_s: float
+    ) -> int:
+        self.acquired += 1
+        key = (domain.uid, clique_id)
+        self.claims.setdefault(key, set()).add((claim_uid, NODE))
+        if self.auto and key not in self.channels:
+            self.assign(*key, 1 + len(set(self.channels.values())))
+
+        async def assigned() -> int:
+            while key not in self.channels:
+                self._changed.clear()
+                await self._changed.wait()
+            return self.channels[key]
+
+        try:
+            return await run_within(self.clock, max(timeout_s, 0.0), assigned())
+        except TimeoutError:
+            raise ChannelNotAssignedError(
+                f"waiting for the controller to assign an IMEX channel to ComputeDomain {domain.namespace}/"
+                f"{domain.name} in clique {clique_id}"
+            ) from None
+
+    async def release(self, domain_uid: str, clique_id: str, claim_uid: str) -> bool:
+        if self.release_fails:
+            raise OSError("apiserver unreachable")
+        held = self.claims.get((domain_uid, clique_id), set())
+        if (claim_uid, NODE) not in held:
+            return False
+        held.discard((claim_uid, NODE))
+        return True
+
+    def node_claims(self) -> list[tuple[str, str, str]]:
+        return [(d, c, claim) for (d, c), held in self.claims.items() for claim, _ in held]
+
+    def holders(self, domain_uid: str, clique_id: str = CLIQUE) -> set[str]:
+        return {claim for claim, _ in self.claims.get((domain_uid, clique_id), set())}
+
+
 class FakeHardware:
     def __init__(self, clique: str = CLIQUE, count: int = 8) -> None:
         self._clique = clique
@@ -181,6 +246,10 @@ class FakeHardware:
 
     def fabric_imex_mgmt(self) -> CapabilityDevice | None:
         return CapabilityDevice(major=241, minor=4323, file_mode=256) if self._clique else None
+
+
+async def host_ready() -> None:
+    """A host IMEX daemon that answers READY."""
 
 
 async def inline(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -203,7 +272,11 @@ class Bed:
         host_check: Callable[[], Awaitable[None]] | None = None,
         boot_id: str = "boot-1",
         clock: Clock | None = None,
+        isolated: bool = False,
+        channel_devices: int = 4,
+        channels: ChannelAssignments | None = None,
     ) -> None:
+        """``isolated``: channel isolation, with ``channels`` (default: ``FakeChannels``)."""
         self.clock: Clock = clock or MonotonicClock()
         self.tmp = tmp_path
         self.plugin_dir = tmp_path / "plugins" / DRIVER_NAME
@@ -218,13 +291,19 @@ class Bed:
         self.readiness = FakeReadiness(self.clock)
         self.hardware = FakeHardware(clique)
         self.daemon_pods = FakeDaemonPods()
+        self.channels: ChannelAssignments | None = None
+        if isolated:
+            self.channels = channels or FakeChannels(self.clock)
+        if isolated and host_check is None:
+            host_check = host_ready
         self.preparer = Preparer(
             PreparerConfig(
                 node_name=NODE,
                 plugin_dir=self.plugin_dir,
-                host_managed=host_managed,
+                host_managed=host_managed or isolated,
                 budget=Budget(budget_s, backoff_initial=0.01, backoff_max=0.05),
                 daemon_namespaces=("driver",),
+                channel_devices=channel_devices if isolated else 1,
             ),
             store=self.store,
             cdi_dir=self.cdi,
@@ -235,6 +314,7 @@ class Bed:
             hardware=self.hardware,
             host_check=host_check,
             daemon_pods=self.daemon_pods,
+            channels=self.channels,
             clock=self.clock,
             run_blocking=inline if isinstance(self.clock, FakeClock) else asyncio.to_thread,
         )
@@ -243,11 +323,11 @@ class Bed:
         budget = dataclasses.replace(self.preparer.config.budget, seconds=budget_s)
         self.preparer.config = dataclasses.replace(self.preparer.config, budget=budget)
 
-    def channel_claim(self, domain: DomainInfo, mode: str | None = None, **extra: Any) -> ClaimRef:
+    def channel_claim(
+        self, domain: DomainInfo, mode: str | None = None, *, device: str = "channel-0", **extra: Any
+    ) -> ClaimRef:
         name = f"worker-channel-{uuid.uuid4().hex[:5]}"
-        return self.claims.add(
-            domain.namespace, name, claim_status("channel-0", channel_params(domain.uid, mode, **extra))
-        )
+        return self.claims.add(domain.namespace, name, claim_status(device, channel_params(domain.uid, mode, **extra)))
 
     def daemon_claim(self, domain: DomainInfo, namespace: str = "driver") -> ClaimRef:
         """A daemon claim reserved for a pod of the domain's DaemonSet."""

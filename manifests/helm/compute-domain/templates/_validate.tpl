@@ -11,10 +11,10 @@ and compares the text with SettingsError's.
 {{- if and (contains "'" $s) (not (contains "\"" $s)) -}}"{{ $s }}"{{- else -}}'{{ $s | replace "\\" "\\\\" | replace "'" "\\'" }}'{{- end -}}
 {{- end -}}
 
-{{- define "cd.knownGates" -}}IMEXDaemonsWithDNSNames ComputeDomainCliques CrashOnNVLinkFabricErrors HostManagedIMEXDaemon{{- end -}}
+{{- define "cd.knownGates" -}}IMEXDaemonsWithDNSNames ComputeDomainCliques CrashOnNVLinkFabricErrors HostManagedIMEXDaemon IMEXChannelIsolation{{- end -}}
 {{/* The reference driver's GPU-plugin and logging gates: a shared FEATURE_GATES carries them. */}}
 {{- define "cd.foreignGates" -}}TimeSlicingSettings MPSSupport PassthroughSupport DynamicMIG NVMLDeviceHealthCheck DeviceMetadata FabricManagerPartitioning DRAListTypeAttributes ConsumableShares AllAlpha AllBeta ContextualLogging LoggingAlphaOptions LoggingBetaOptions{{- end -}}
-{{- define "cd.gateDefaults" -}}{"IMEXDaemonsWithDNSNames": true, "ComputeDomainCliques": true, "CrashOnNVLinkFabricErrors": true, "HostManagedIMEXDaemon": false}{{- end -}}
+{{- define "cd.gateDefaults" -}}{"IMEXDaemonsWithDNSNames": true, "ComputeDomainCliques": true, "CrashOnNVLinkFabricErrors": true, "HostManagedIMEXDaemon": false, "IMEXChannelIsolation": false}{{- end -}}
 
 {{/* "true"/"false": the effective value of gate .name under .values. */}}
 {{- define "cd.gateEnabled" -}}
@@ -53,11 +53,17 @@ and compares the text with SettingsError's.
 {{- if and (eq $mode "hostManaged") (ne (include "cd.gateEnabled" (dict "values" $v "name" "HostManagedIMEXDaemon")) "true") -}}
 {{- fail "IMEX_MODE=hostManaged requires the feature gate HostManagedIMEXDaemon=true (FEATURE_GATES) (values: featureGates.HostManagedIMEXDaemon)" -}}
 {{- end -}}
+{{- /* Without the gate IMEXChannelIsolation, "channel" is refused with the message it always had. */ -}}
+{{- $isolated := eq (include "cd.gateEnabled" (dict "values" $v "name" "IMEXChannelIsolation")) "true" -}}
 {{- if eq $isolation "channel" -}}
+{{- if not $isolated -}}
 {{- fail "IMEX_ISOLATION=channel is not implemented yet; use domain (values: resources.computeDomains.imex.isolation)" -}}
 {{- end -}}
-{{- if ne $isolation "domain" -}}
-{{- fail (printf "IMEX_ISOLATION %s is unknown; use domain (values: resources.computeDomains.imex.isolation)" (include "cd.repr" $isolation)) -}}
+{{- if ne $mode "hostManaged" -}}
+{{- fail "IMEX_ISOLATION=channel needs IMEX_MODE=hostManaged: in driverManaged mode every ComputeDomain runs an IMEX domain of its own, which isolates it already; use domain (values: resources.computeDomains.imex.isolation)" -}}
+{{- end -}}
+{{- else if ne $isolation "domain" -}}
+{{- fail (printf "IMEX_ISOLATION %s is unknown; use %s (values: resources.computeDomains.imex.isolation)" (include "cd.repr" $isolation) (ternary "domain or channel" "domain" $isolated)) -}}
 {{- end -}}
 
 {{- /* Rule 5; in hostManaged mode the DNS-name and clique gates are forced off, so it does not apply. */ -}}
@@ -104,6 +110,10 @@ and compares the text with SettingsError's.
 {{- if or (lt (int $v.maxNodesPerIMEXDomain) 1) (gt (int $v.maxNodesPerIMEXDomain) 10000) -}}
 {{- fail "MAX_NODES_PER_IMEX_DOMAIN must be at least 1 and at most 10000 (GB200/GB300 NVL72: 18) (values: maxNodesPerIMEXDomain)" -}}
 {{- end -}}
+{{- $count := ternary $imex.channelCount 2048 (hasKey $imex "channelCount") -}}
+{{- if or (lt (int $count) 2) (gt (int $count) 1048576) -}}
+{{- fail (printf "IMEX_CHANNEL_COUNT %s must be between 2 and 1048576 (channel 0 is reserved; the driver's default NVreg_ImexChannelCount is 2048) (values: resources.computeDomains.imex.channelCount)" (toString $count)) -}}
+{{- end -}}
 {{- $le := $v.controller.leaderElection -}}
 {{- $seconds := dict -}}
 {{- range $key, $env := dict "leaseDuration" "LEADER_ELECTION_LEASE_DURATION" "renewDeadline" "LEADER_ELECTION_RENEW_DEADLINE" "retryPeriod" "LEADER_ELECTION_RETRY_PERIOD" -}}
@@ -122,6 +132,10 @@ and compares the text with SettingsError's.
 {{- end -}}
 
 {{- /* Node agent rules. */ -}}
+{{- $perNode := ternary $imex.channelClaimsPerNode 8 (hasKey $imex "channelClaimsPerNode") -}}
+{{- if or (lt (int $perNode) 1) (gt (int $perNode) 128) -}}
+{{- fail (printf "IMEX_CHANNEL_CLAIMS_PER_NODE %s must be between 1 and 128 (one ResourceSlice holds 128 devices) (values: resources.computeDomains.imex.channelClaimsPerNode)" (toString $perNode)) -}}
+{{- end -}}
 {{- $cdi := toString $v.kubeletPlugin.cdiRoot -}}
 {{- if not (hasPrefix "/" $cdi) -}}
 {{- fail (printf "CDI_ROOT %s must be an absolute path (values: kubeletPlugin.cdiRoot)" (include "cd.repr" $cdi)) -}}

@@ -1,0 +1,185 @@
+"""The impure half of the channel assignment: apply ``channels.plan`` for one clique through the API.
+
+``ChannelAssigner.reconcile(clique_id)`` is the callback of the controller's second convergence loop (keyed by
+clique ID, so one clique's channels are never planned twice at once in a process). It builds the clique's
+``CliqueSpace`` from the caches, then loops plan -> apply the batch -> fold the answers -> plan, until nothing
+is left, as the domain reconcile does. The writes, and what makes each safe:
+
+* lock: a create; ``AlreadyExists`` is read back: our own lock (a retry whose answer was lost, or a cache that
+  had not shown it) is used, anyone else's marks the channel taken and the plan picks the next one;
+* the channel into a record: a merge patch with the record's UID as precondition, so it can only land on the
+  record the lock names as owner; the CRD refuses to change a channel once set, so of two racing writers at
+  most one value ever lands, and the loser reads it back;
+* dropping our finalizer from a record being deleted: a merge patch with the resourceVersion at which the
+  record listed no claim, so a node agent adding one in between makes it a ``Conflict`` (retried);
+* dropping claims of vanished nodes: only after a live GET of each such Node answered NotFound, again with
+  the record's resourceVersion.
+
+A failure raises; the convergence loop retries with backoff, by which time the watches have caught up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Final
+
+from prometheus_client import Counter
+
+from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, GROUP_VERSION
+from computedomain.api.models import ComputeDomainClique
+from computedomain.controller import channels
+from computedomain.controller.caches import Caches
+from computedomain.controller.channels import (
+    Action,
+    CheckHolders,
+    CreateLock,
+    DeleteLock,
+    Gone,
+    Lock,
+    Record,
+    RecordChannel,
+    ReleaseRecord,
+    Result,
+    Taken,
+    Unchanged,
+)
+from computedomain.controller.executor import Writer, gather_all
+from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, LEASES, NODES
+from computedomain.kube.converge import DONE, ReconcileResult, RequeueAfter
+from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
+from computedomain.kube.events import EventType
+from computedomain.settings import ControllerSettings
+
+log = logging.getLogger(__name__)
+
+MAX_ROUNDS: Final = 16
+NODE_MEMO_S: Final = 30.0
+
+CHANNEL_WRITES = Counter(
+    "computedomain_controller_imex_channel_writes_total",
+    "Writes of the IMEX channel assignment (channel isolation), by what they did.",
+    ["action"],
+)
+
+
+class ChannelAssigner:
+    def __init__(self, writer: Writer, settings: ControllerSettings) -> None:
+        self.writer = writer
+        self.client = writer.client
+        self.caches: Caches = writer.caches
+        self.count = settings.imex_channel_count
+        self._nodes: dict[str, tuple[bool, float]] = {}
+
+    async def reconcile(self, clique_id: str) -> ReconcileResult:
+        space = self.caches.clique_space(clique_id)
+        for _ in range(MAX_ROUNDS):
+            plan = channels.plan(space, self.count)
+            if not plan:
+                if plan.waiting:
+                    log.debug("no free IMEX channel clique=%s waiting=%s", clique_id, ",".join(map(str, plan.waiting)))
+                return DONE
+            results = await gather_all(self._apply(action) for action in plan.actions)
+            for action, result in zip(plan.actions, results, strict=True):
+                space = channels.fold(space, action, result)
+        log.warning("channel assignment did not converge clique=%s rounds=%d", clique_id, MAX_ROUNDS)
+        return RequeueAfter(1.0)
+
+    async def _apply(self, action: Action) -> Result:
+        CHANNEL_WRITES.labels(type(action).__name__).inc()
+        if isinstance(action, CreateLock):
+            return await self._lock(action.record, action.channel)
+        if isinstance(action, RecordChannel):
+            return await self._record(action.record, action.channel)
+        if isinstance(action, DeleteLock):
+            log.info("deleting superseded IMEX channel lock lock=%s why=%s", action.lock, action.why)
+            with contextlib.suppress(NotFound):
+                await self.client.delete(LEASES, action.lock.name, namespace=action.lock.namespace, uid=action.lock.uid)
+            return Gone()
+        if isinstance(action, ReleaseRecord):
+            return await self._release(action.record)
+        if isinstance(action, CheckHolders):
+            return await self._prune(action.record)
+        raise TypeError(f"unknown action {action!r}")  # pragma: no cover
+
+    async def _lock(self, record: Record, channel: int) -> Lock | Taken:
+        body = channels.lock_body(record, channel, GROUP_VERSION)
+        name = body["metadata"]["name"]
+        try:
+            raw = await self.client.create(LEASES, body, namespace=record.namespace)
+        except AlreadyExists:
+            raw = await self.client.get(LEASES, name, namespace=record.namespace)
+            existing = channels.decode_lock(raw)
+            assert existing is not None, f"lease {name} is not a channel lock"
+            return existing if existing.owner_uid == record.uid else Taken(existing)
+        lock = channels.decode_lock(raw)
+        assert lock is not None
+        return lock
+
+    async def _record(self, record: Record, channel: int) -> Record | Gone:
+        patch = {"metadata": {"uid": record.uid}, "channel": channel}
+        try:
+            raw = await self.client.merge_patch(COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace)
+        except NotFound:
+            return Gone()
+        except Invalid:
+            # Another writer set a channel first (the CRD keeps it): read which; the plan drops our lock.
+            raw = await self.client.get(COMPUTE_DOMAIN_CLIQUES, record.name, namespace=record.namespace)
+        written = channels.record_of(ComputeDomainClique.model_validate(raw))
+        if written.channel == channel:
+            log.info(
+                "assigned IMEX channel channel=%d clique=%s cd_uid=%s record=%s",
+                channel,
+                record.clique_id,
+                record.domain_uid,
+                record.name,
+            )
+            cd = self.caches.cd(record.domain_uid)
+            if cd is not None:
+                self.writer.event(
+                    cd,
+                    EventType.NORMAL,
+                    "ChannelAssigned",
+                    f"IMEX channel {channel} in clique {record.clique_id}: every pod of this ComputeDomain there "
+                    "gets it, no other ComputeDomain does",
+                )
+        return written
+
+    async def _release(self, record: Record) -> Record | Gone:
+        rest = [f for f in record.finalizers if f != COMPUTE_DOMAIN_FINALIZER]
+        patch: dict[str, Any] = {"metadata": {"resourceVersion": record.resource_version, "finalizers": rest or None}}
+        try:
+            raw = await self.client.merge_patch(COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace)
+        except NotFound:
+            return Gone()
+        log.info("released IMEX channel channel=%s clique=%s record=%s", record.channel, record.clique_id, record.name)
+        released = channels.record_of(ComputeDomainClique.model_validate(raw))
+        return Gone() if released.terminating and not released.finalizers else released
+
+    async def _prune(self, record: Record) -> Record | Gone | Unchanged:
+        gone = {node for node in record.nodes if not await self._node_exists(node)}
+        if not gone:
+            return Unchanged()
+        kept = [{"claimUID": c, "nodeName": n} for c, n in record.claims if n not in gone]
+        patch = {"metadata": {"resourceVersion": record.resource_version}, "preparedClaims": kept}
+        try:
+            raw = await self.client.merge_patch(COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace)
+        except NotFound:
+            return Gone()
+        log.info("dropped claims of deleted nodes from %s nodes=%s", record, ",".join(sorted(gone)))
+        return channels.record_of(ComputeDomainClique.model_validate(raw))
+
+    async def _node_exists(self, name: str) -> bool:
+        """Live (a cache could lag), remembered for a while: holders on lost nodes are rechecked periodically."""
+        known = self._nodes.get(name)
+        now = time.monotonic()
+        if known is not None and now - known[1] < NODE_MEMO_S:
+            return known[0]
+        try:
+            await self.client.get(NODES, name)
+            exists = True
+        except NotFound:
+            exists = False
+        self._nodes[name] = (exists, now)
+        return exists

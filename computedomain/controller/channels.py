@@ -1,0 +1,350 @@
+"""The IMEX channel of each ComputeDomain in each clique: the pure half (hostManaged, ``IMEX_ISOLATION=channel``).
+
+With channel isolation every domain gets, in every clique (IMEX domain) its pods run in, an IMEX channel that
+no other domain holds there. The protocol and why it is safe: docs/design/0012-channel-isolation.md. The
+objects, all in the driver namespace:
+
+* the **record** of domain D in clique C: ``ComputeDomainClique <D>.<C>``. A node agent creates it (with our
+  finalizer and its claim in ``preparedClaims``) the first time it prepares a claim of D in C: that is the
+  request. The controller writes ``channel`` into it, once (the CRD refuses any change); node agents add and
+  remove their own claims in ``preparedClaims``. While the record exists, its channel is D's in C;
+* the **lock** of channel k in C: a Lease ``cd-imex-channel-<k>.<C>`` whose holder is D and whose owner is
+  the record. Creating it is the claim on k: the apiserver lets exactly one create of a name succeed, so two
+  records can never hold the same k, whatever caches lag and however many controllers run (a failover in the
+  middle of an assignment included). The garbage collector deletes it once its record is gone.
+
+``plan(space, count)`` looks at one clique's records and locks (``CliqueSpace``) and returns the next batch of
+writes (``Plan``), like ``reconcile.desired``: the executor (``assigner``) applies a batch, folds the answers
+back in (``fold``) and asks again until nothing is left. Per clique, in order of need:
+
+* a record with a channel keeps it; a lock of that record for another channel (a lost race) is deleted;
+* a record without a channel whose domain lives: if a lock of its own exists (a previous run, or a previous
+  leader, created it and stopped before recording it), that channel is recorded; otherwise the lowest free
+  channel (1 up to ``count - 1``; 0 is the shared channel and never assigned) is locked, then recorded.
+  With none free, the record waits (``Plan.waiting``); the domain's reconcile reports it (``exhausted``);
+* a record that is being deleted keeps our finalizer while ``preparedClaims`` lists a claim; when none is left
+  the finalizer goes, the record with it, and then its lock: only then is the channel free again. Claims of
+  nodes that no longer exist are dropped first (``CheckHolders``: the executor confirms each node live).
+
+Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, TypeAlias
+
+from computedomain.api.constants import (
+    CLIQUE_LABEL,
+    COMPUTE_DOMAIN_FINALIZER,
+    COMPUTE_DOMAIN_LABEL,
+    SHARED_IMEX_CHANNEL,
+)
+from computedomain.api.models import ComputeDomainClique
+
+LOCK_PREFIX: Final = "cd-imex-channel-"
+_LOCK_NAME = re.compile(rf"{LOCK_PREFIX}([1-9][0-9]{{0,6}})\.(.+)", re.ASCII)
+
+Raw = Mapping[str, Any]
+
+
+def lock_name(clique_id: str, channel: int) -> str:
+    return f"{LOCK_PREFIX}{channel}.{clique_id}"
+
+
+# --- views ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A ``ComputeDomainClique`` as the channel assignment sees it."""
+
+    name: str
+    namespace: str
+    uid: str
+    resource_version: str
+    domain_uid: str
+    clique_id: str
+    channel: int | None = None
+    claims: tuple[tuple[str, str], ...] = ()  # (claim UID, node name)
+    finalizers: tuple[str, ...] = ()
+    terminating: bool = False
+    created: str = ""  # creationTimestamp, for first-come-first-served order
+    # Set within one pass once the nodes of ``claims`` were confirmed to exist (not from the API).
+    holders_checked: bool = False
+
+    @property
+    def holds_finalizer(self) -> bool:
+        return COMPUTE_DOMAIN_FINALIZER in self.finalizers
+
+    @property
+    def nodes(self) -> frozenset[str]:
+        return frozenset(node for _, node in self.claims)
+
+    def __str__(self) -> str:
+        return f"ComputeDomainClique {self.namespace}/{self.name}"
+
+
+def record_of(clique: ComputeDomainClique) -> Record:
+    meta = clique.metadata
+    return Record(
+        name=meta.name,
+        namespace=meta.namespace,
+        uid=meta.uid,
+        resource_version=meta.resource_version,
+        domain_uid=clique.domain_uid,
+        clique_id=clique.clique_id,
+        channel=clique.channel,
+        claims=tuple((c.claim_uid, c.node_name) for c in clique.prepared_claims or ()),
+        finalizers=meta.finalizers,
+        terminating=meta.deletion_timestamp is not None,
+        created=meta.creation_timestamp.isoformat() if meta.creation_timestamp else "",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Lock:
+    """A Lease that reserves ``channel`` in ``clique_id`` for the record ``owner_uid`` of ``domain_uid``."""
+
+    name: str
+    namespace: str
+    uid: str
+    clique_id: str
+    channel: int
+    domain_uid: str
+    owner_uid: str
+    terminating: bool = False
+
+    def __str__(self) -> str:
+        return f"Lease {self.namespace}/{self.name}"
+
+
+def decode_lock(raw: Raw) -> Lock | None:
+    """A lock Lease, or None for a Lease that is not one (it is then ignored, never written)."""
+    meta = raw.get("metadata") or {}
+    match = _LOCK_NAME.fullmatch(str(meta.get("name") or ""))
+    labels = meta.get("labels") or {}
+    if match is None or labels.get(CLIQUE_LABEL) != match.group(2):
+        return None
+    owners = [o for o in meta.get("ownerReferences") or () if isinstance(o, Mapping)]
+    return Lock(
+        name=str(meta["name"]),
+        namespace=str(meta.get("namespace") or ""),
+        uid=str(meta.get("uid") or ""),
+        clique_id=match.group(2),
+        channel=int(match.group(1)),
+        domain_uid=str((raw.get("spec") or {}).get("holderIdentity") or ""),
+        owner_uid=str(owners[0].get("uid") or "") if owners else "",
+        terminating=bool(meta.get("deletionTimestamp")),
+    )
+
+
+def lock_body(record: Record, channel: int, group_version: str) -> dict[str, Any]:
+    """The Lease that reserves ``channel`` of the record's clique for its domain."""
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": lock_name(record.clique_id, channel),
+            "namespace": record.namespace,
+            "labels": {COMPUTE_DOMAIN_LABEL: record.domain_uid, CLIQUE_LABEL: record.clique_id},
+            # The garbage collector deletes the lock once the record is gone (checked live, by UID).
+            "ownerReferences": [
+                {"apiVersion": group_version, "kind": "ComputeDomainClique", "name": record.name, "uid": record.uid}
+            ],
+        },
+        "spec": {"holderIdentity": record.domain_uid},
+    }
+
+
+# --- one clique's state ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CliqueSpace:
+    """Everything the assignment looks at for one clique."""
+
+    clique_id: str
+    records: tuple[Record, ...] = ()
+    locks: tuple[Lock, ...] = ()
+    # Domains that exist and are not being deleted (from the CD cache): only they get a channel.
+    live_domains: frozenset[str] = frozenset()
+
+    def with_record(self, record: Record) -> CliqueSpace:
+        rest = tuple(r for r in self.records if r.name != record.name)
+        return replace(self, records=(*rest, record))
+
+    def without_record(self, name: str) -> CliqueSpace:
+        return replace(self, records=tuple(r for r in self.records if r.name != name))
+
+    def with_lock(self, lock: Lock) -> CliqueSpace:
+        rest = tuple(lk for lk in self.locks if lk.name != lock.name)
+        return replace(self, locks=(*rest, lock))
+
+    def without_lock(self, name: str) -> CliqueSpace:
+        return replace(self, locks=tuple(lk for lk in self.locks if lk.name != name))
+
+    def taken(self) -> set[int]:
+        """Channels nobody else may get: the shared one, every locked one, every recorded one."""
+        return {
+            SHARED_IMEX_CHANNEL,
+            *(lk.channel for lk in self.locks),
+            *(r.channel for r in self.records if r.channel),
+        }
+
+
+def free_channels(space: CliqueSpace, count: int) -> Iterator[int]:
+    """The channels of ``1 .. count - 1`` nobody holds, lowest first."""
+    taken = space.taken()
+    return (k for k in range(1, count) if k not in taken)
+
+
+def exhausted(space: CliqueSpace, count: int) -> bool:
+    return next(free_channels(space, count), None) is None
+
+
+def recorded_channels(records: Iterable[Record]) -> dict[str, int]:
+    """Clique ID -> channel, for one domain's records that have one (and are not being deleted)."""
+    return {r.clique_id: r.channel for r in records if r.channel is not None and not r.terminating}
+
+
+# --- actions --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateLock:
+    record: Record
+    channel: int
+
+
+@dataclass(frozen=True)
+class RecordChannel:
+    record: Record
+    channel: int
+
+
+@dataclass(frozen=True)
+class DeleteLock:
+    lock: Lock
+    why: str
+
+
+@dataclass(frozen=True)
+class ReleaseRecord:
+    """Drop our finalizer from a record being deleted: no claim holds its channel any more."""
+
+    record: Record
+
+
+@dataclass(frozen=True)
+class CheckHolders:
+    """A record being deleted still lists claims: drop those of nodes that no longer exist (checked live)."""
+
+    record: Record
+
+
+Action: TypeAlias = CreateLock | RecordChannel | DeleteLock | ReleaseRecord | CheckHolders
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...] = ()
+    # Records that need a channel while none is free.
+    waiting: tuple[Record, ...] = field(default=())
+
+    def __bool__(self) -> bool:
+        return bool(self.actions)
+
+
+def plan(space: CliqueSpace, count: int) -> Plan:
+    """The next batch of independent writes for one clique (see the module docstring)."""
+    locks_of: dict[str, list[Lock]] = {}
+    for lock in space.locks:
+        locks_of.setdefault(lock.owner_uid, []).append(lock)
+    actions: list[Action] = []
+    pending: list[Record] = []
+    for record in sorted(space.records, key=lambda r: (r.created, r.name)):
+        own = sorted((lk for lk in locks_of.get(record.uid, ()) if not lk.terminating), key=lambda lk: lk.channel)
+        if record.channel is not None:
+            actions += [
+                DeleteLock(lk, f"{record} holds channel {record.channel}") for lk in own if lk.channel != record.channel
+            ]
+            if not record.terminating and not any(lk.channel == record.channel for lk in space.locks):
+                # Its lock was deleted (by hand): take it again, so no other record can get the channel.
+                actions.append(CreateLock(record, record.channel))
+        elif not record.terminating and record.domain_uid in space.live_domains:
+            if own:
+                # Locked earlier, not recorded yet (a run or a leader stopped in between): record that one.
+                actions.append(RecordChannel(record, own[0].channel))
+            else:
+                pending.append(record)
+        if record.terminating and record.holds_finalizer:
+            if not record.claims:
+                actions.append(ReleaseRecord(record))
+            elif not record.holders_checked:
+                actions.append(CheckHolders(record))
+    free = free_channels(space, count)
+    waiting: list[Record] = []
+    for record in pending:
+        channel = next(free, None)
+        if channel is None:
+            waiting.append(record)
+        else:
+            actions.append(CreateLock(record, channel))
+    return Plan(tuple(actions), tuple(waiting))
+
+
+# --- folding results back -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gone:
+    """The target no longer exists."""
+
+
+@dataclass(frozen=True)
+class Taken:
+    """Creating the lock failed: the channel is held by another lock (which the cache had not shown)."""
+
+    lock: Lock
+
+
+@dataclass(frozen=True)
+class Unchanged:
+    """Nothing was written (e.g. every listed node still exists)."""
+
+
+Result: TypeAlias = Record | Lock | Gone | Taken | Unchanged
+
+
+def fold(space: CliqueSpace, action: Action, result: Result) -> CliqueSpace:
+    """The clique's state after ``action`` produced ``result``."""
+    if isinstance(result, Unchanged):
+        if isinstance(action, CheckHolders):
+            # Nothing to prune: the record waits for its claims; not asked again in this pass.
+            return space.with_record(replace(action.record, holders_checked=True))
+        return space
+    if isinstance(action, CreateLock):
+        if isinstance(result, Taken | Lock):
+            return space.with_lock(result.lock if isinstance(result, Taken) else result)
+        return space
+    if isinstance(action, DeleteLock):
+        return space.without_lock(action.lock.name) if isinstance(result, Gone) else space.with_lock(_lock(result))
+    if isinstance(action, RecordChannel | ReleaseRecord | CheckHolders):
+        if isinstance(result, Gone):
+            return space.without_record(action.record.name)
+        checked = isinstance(action, CheckHolders)
+        return space.with_record(replace(_rec(result), holders_checked=checked))
+    raise TypeError(f"unknown action {action!r}")  # pragma: no cover
+
+
+def _lock(result: Result) -> Lock:
+    assert isinstance(result, Lock)
+    return result
+
+
+def _rec(result: Result) -> Record:
+    assert isinstance(result, Record)
+    return result
