@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # e.g. BENCH_ARGS=--smoke (seconds, one round), --out DIR (report directory), --cluster DIR
 BENCH_ARGS ?=
 
-.PHONY: help install testbin image cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds manifests bench bench-controller bench-plugin bench-system bench-fleet bench-channels
+.PHONY: help install testbin image cluster-up cluster-down demo test test-unit test-cluster test-gpu lint format typecheck crds manifests bench bench-controller bench-plugin bench-system bench-fleet bench-channels bench-realnode
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -83,3 +83,6 @@ bench-fleet: install testbin ## 1,000 kwok nodes, 200 domains: controller conver
 
 bench-channels: install testbin ## channel isolation: 200 domains assigned at once, the extra time per Prepare
 	@$(PY) -m tests.bench $(BENCH_ARGS) channels
+
+bench-realnode: install testbin image ## real nodes: pod create -> Running with and without a claim, Prepare, memory, start-up
+	@$(PY) -m tests.bench $(BENCH_ARGS) realnode

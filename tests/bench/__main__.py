@@ -32,13 +32,14 @@ from tests.bench.harness import Bench
 from tests.bench.report import summary, write
 from tests.testbed.cluster import DEFAULT_ROOT, REPO, LocalCluster, running_cluster
 
-BENCHMARKS = ("controller", "plugin", "system", "fleet", "channels")
+BENCHMARKS = ("controller", "plugin", "system", "fleet", "channels", "realnode")
 TITLES = {
     "controller": "Controller: create burst vs the API-write floor, Ready latency, domains at scale (SPEC 9)",
     "plugin": "Node agent: channel Prepare latency (SPEC 9)",
     "system": "System: one domain over simulated NVL72 racks, end to end (SPEC 9: a rack in seconds)",
     "fleet": "Fleet: kwok nodes and many domains at once (controller convergence, requests, memory)",
     "channels": "Channel isolation: assignment of many domains at once, the extra time per Prepare",
+    "realnode": "Real nodes: what a channel claim costs on a real kubelet; node-side memory and start-up",
 }
 
 

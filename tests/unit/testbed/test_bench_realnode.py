@@ -1,0 +1,55 @@
+"""The real-node benchmark reads Prepare and Unprepare durations from the node agent's own exposition: the
+series it parses are the ones `plugin.metrics` exports, and a sample is one call's duration or nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pytest
+from prometheus_client import generate_latest
+
+from computedomain.plugin.metrics import Instrumented
+from computedomain.plugin.preparer import ClaimRef, ClaimUid, PrepareResult, UnprepareResult
+from tests.bench.realnode import Calls
+
+DRIVER = "bench.compute-domain.nvidia.com"  # a label of its own: the registry is process-wide
+
+
+class Slow:
+    """A Preparer whose calls take what the fake clock says."""
+
+    def __init__(self, clock: list[float], seconds: float) -> None:
+        self.clock = clock
+        self.seconds = seconds
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, PrepareResult]:
+        self.clock[0] += self.seconds
+        return {c.uid: PrepareResult() for c in claims}
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, UnprepareResult]:
+        self.clock[0] += self.seconds / 10
+        return {c.uid: UnprepareResult() for c in claims}
+
+
+def scrape() -> Calls:
+    return Calls.parse(generate_latest().decode(), driver=DRIVER)
+
+
+async def test_one_call_between_two_scrapes_is_its_duration_two_are_none() -> None:
+    clock = [100.0]
+    inner = Slow(clock, 0.25)
+    agent = Instrumented(inner, driver=DRIVER, clock=lambda: clock[0])
+    claim = ClaimRef("ns", "c", ClaimUid("uid-1"))
+    before = scrape()
+    assert before.inflight == {"prepare": 0.0, "unprepare": 0.0}
+    await agent.prepare([claim])
+    one = scrape()
+    assert one.since(before, "prepare") == 0.25
+    assert one.since(before, "unprepare") is None  # no call: no sample
+    await agent.unprepare([claim])
+    assert scrape().since(one, "unprepare") == pytest.approx(0.025)
+    inner.seconds = 1.0
+    await agent.prepare([claim])
+    await agent.prepare([claim])
+    assert scrape().since(one, "prepare") is None  # two calls: which took how long is unknown
+    assert Calls.parse(generate_latest().decode()).since(before, "prepare") is None  # another driver's series
