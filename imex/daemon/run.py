@@ -16,6 +16,11 @@ Sequence:
    not up yet; the readiness mirror takes over from the pod's condition).
 5. Run the peer loop (hosts file / nodes.cfg, start, SIGUSR1, restart) and the readiness mirror until a
    signal or a failure.
+Steps 2 and 4 are retried on transient API errors (no answer within the client's deadline, 5xx, 429) with
+growing pauses, as the loops of step 5 are: a slow apiserver delays the daemon instead of crash-looping it
+(each restart costs a back-off, a fresh registration and a churn of the clique for every peer). Permanent
+errors (RBAC, admission) still end the daemon at once with the server's message.
+
 6. On SIGTERM/SIGINT: stop the loops, stop IMEX gracefully (it tells its peers), remove our entry (bounded
    by ``SHUTDOWN_TIMEOUT``), exit 0. A fatal error exits 1 after the same cleanup, so the container restarts
    and the restart count shows it.
@@ -29,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +43,7 @@ from computedomain.api.constants import CLIQUE_LABEL
 from computedomain.atomic import write_atomically
 from computedomain.http import Answer, EndpointError, HttpServer, start_http
 from computedomain.kube.client import PODS, KubeClient
+from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.converge import Retries
 from computedomain.kube.errors import KubeError
 from computedomain.kube.informer import Informer
@@ -214,8 +220,9 @@ async def _registered(
         settings.dns_names,
         settings.use_cliques,
     )
+    retries = Retries.of(settings)
     try:
-        await _until(stop, label_own_pod(client, settings))
+        await persist("label own pod", lambda: label_own_pod(client, settings), stop, retries)
     except KubeError as exc:
         log.error("cannot label own pod: %s", exc)
         return 1
@@ -233,7 +240,7 @@ async def _registered(
     exit_code = 0
     try:
         write_imex_config(settings)
-        entry = await _until(stop, daemon.registry.register())
+        entry = await persist("register our entry", daemon.registry.register, stop, retries)
         if entry is not None:
             log.info("our slot node=%s index=%d", entry.node_name, entry.index)
             exit_code = await _serve(daemon, stop)
@@ -283,7 +290,7 @@ async def _shutdown(daemon: Daemon) -> None:
             log.warning("could not remove our entry; the controller prunes it: %r", exc)
 
 
-async def _until(stop: asyncio.Event, coro: Coroutine[Any, Any, T]) -> T | None:
+async def _until(stop: asyncio.Event, coro: Awaitable[T]) -> T | None:
     """Run ``coro`` unless ``stop`` is set first (then cancel it and return None)."""
     task = asyncio.ensure_future(coro)
     stopper = asyncio.ensure_future(stop.wait())
@@ -299,6 +306,33 @@ async def _until(stop: asyncio.Event, coro: Coroutine[Any, Any, T]) -> T | None:
     task.cancel()
     await asyncio.wait({task})  # unlike `await task`, this cannot mistake our own cancellation for its
     return None
+
+
+async def persist(
+    what: str,
+    step: Callable[[], Awaitable[T]],
+    stop: asyncio.Event,
+    retries: Retries,
+    clock: Clock | None = None,
+) -> T | None:
+    """``step()`` until it succeeds (its result) or ``stop`` is set (None); a transient ``KubeError`` is
+    retried after a pause that doubles from ``backoff_initial`` (at least 0.5 s) up to ``backoff_max``, told
+    at INFO and from the ``warn_after``-th attempt at WARNING. A permanent error is raised."""
+    clock = clock or MonotonicClock()
+    attempt = 0
+    while True:
+        try:
+            return await _until(stop, step())
+        except KubeError as exc:
+            if exc.permanent:
+                raise
+            attempt += 1
+            delay = min(retries.backoff_max, max(retries.backoff_initial, 0.5) * 2 ** min(attempt - 1, 16))
+            level = logging.WARNING if attempt >= retries.warn_after else logging.INFO
+            log.log(level, "%s failed (attempt %d), retrying in %.1fs: %s", what, attempt, delay, exc)
+        await _until(stop, clock.sleep(delay))
+        if stop.is_set():
+            return None
 
 
 def _signal_event() -> asyncio.Event:
