@@ -130,14 +130,14 @@ def _watch(informer: Informer[Raw], handler: Callable[[Raw], None]) -> None:
     informer.add_handler(on_add=handler, on_update=lambda _o, n: handler(n))
 
 
-def _controller_cpu(sim: SimCluster) -> float | None:
-    """CPU seconds of the controller process (the one controller replica the runner started)."""
+def _controller_cpu(sim: SimCluster) -> tuple[int, float] | None:
+    """The controller process (the one controller replica the runner started): its PID and CPU seconds."""
     assert sim.runner is not None
     for (key, _container), launched in sim.runner.processes.items():
         if key.startswith(f"{sim.driver_ns}/") and "controller" in key and launched.pid:
             with contextlib.suppress(OSError):
                 fields = Path(f"/proc/{launched.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                return launched.pid, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return None
 
 
@@ -175,8 +175,10 @@ async def one_round(sim: SimCluster, index: int, nodes: int, within: float) -> R
         await wait_for(lambda: "CD Ready" in progress.at and "workers Running" in progress.at, within,
                        f"a {nodes}-node domain Ready and its {nodes} workers Running", interval=0.1)  # fmt: skip
         cpu1 = _controller_cpu(sim)
-        if cpu0 is not None and cpu1 is not None:
-            progress.at["controller cpu"] = cpu1 - cpu0
+        if cpu0 is not None and cpu1 is not None and cpu0[0] == cpu1[0]:  # a restarted controller: no figure
+            progress.at["controller cpu"] = cpu1[1] - cpu0[1]
+        elif cpu0 is not None:
+            progress.at["controller restarted"] = 1.0
         progress.requests = await asyncio.to_thread(apiserver_requests, sim) - requests0
         return progress
     finally:
@@ -256,6 +258,8 @@ async def run(bench: Bench) -> None:
             own.round([at["children"] - got.t0 + max(0.0, at["CD Ready"] - at["last entry Ready"])])
             if "controller cpu" in at:
                 own_cpu.round([at["controller cpu"]])
+            if "controller restarted" in at:
+                own_cpu.note = f"the controller restarted during round {index + 1}: no CPU figure for it"
             req = got.requests
             clique_writes = {
                 code: n
