@@ -138,10 +138,38 @@ async def bench_fifty(samples: int) -> Sample:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _unmount_under(root: Path) -> None:
+    """Lazily unmount every mount point below ``root``, deepest first."""
+    inside = [
+        Path(line.split()[4])
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if Path(line.split()[4]).is_relative_to(root)
+    ]
+    for target in sorted(inside, key=lambda p: len(p.parts), reverse=True):
+        subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
+
+
+def _sweep_killed_roots() -> None:
+    """Driver roots of an earlier run that was killed before its teardown (its ``owner.pid`` names a process
+    that is gone): unmount and remove them, so a killed run leaves nothing mounted for long."""
+    for stale in Path("/tmp").glob("bp-root-*"):
+        try:
+            pid = int((stale / "owner.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if not Path(f"/proc/{pid}").exists():
+            _unmount_under(stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def chroot_root() -> Iterator[Path]:
-    """A driver root of read-only bind mounts of what Python and sh need, plus a writable opt/bin and run."""
+    """A driver root of read-only bind mounts of what Python and sh need, plus a writable opt/bin and run.
+    The mounts are the host's (a chroot needs them there); ``owner.pid`` lets the next run clean up after a
+    run killed before its teardown."""
+    _sweep_killed_roots()
     root = Path(tempfile.mkdtemp(prefix="bp-root-", dir="/tmp"))
+    (root / "owner.pid").write_text(str(os.getpid()))
     for sub in ("dev", "run", "opt/bin"):
         (root / sub).mkdir(parents=True)
     sources = sorted(
@@ -167,8 +195,7 @@ def chroot_root() -> Iterator[Path]:
             mounted.append(target)
         yield root
     finally:
-        for target in reversed(mounted):
-            subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
+        _unmount_under(root)
         shutil.rmtree(root, ignore_errors=True)
 
 
