@@ -113,11 +113,17 @@ def check_isolation(isolation: ImexIsolation, cds: Iterable[ComputeDomain], chil
     ]
 
 
-def isolation_refusal_message(isolation: ImexIsolation, findings: list[Finding]) -> str:
-    other = ImexIsolation.DOMAIN if isolation is ImexIsolation.CHANNEL else ImexIsolation.CHANNEL
+def _named(findings: list[Finding]) -> str:
+    """The first ``MAX_NAMED`` findings, and how many more there are."""
     named = "; ".join(str(f) for f in findings[:MAX_NAMED])
     if len(findings) > MAX_NAMED:
         named += f"; and {len(findings) - MAX_NAMED} more"
+    return named
+
+
+def isolation_refusal_message(isolation: ImexIsolation, findings: list[Finding]) -> str:
+    other = ImexIsolation.DOMAIN if isolation is ImexIsolation.CHANNEL else ImexIsolation.CHANNEL
+    named = _named(findings)
     return (
         f"refusing to start with IMEX_ISOLATION={isolation.value}: {len(findings)} ComputeDomain(s) were set up with "
         f"IMEX_ISOLATION={other.value}: {named}. Switching the isolation while ComputeDomains exist is unsupported "
@@ -129,9 +135,7 @@ def isolation_refusal_message(isolation: ImexIsolation, findings: list[Finding])
 
 def refusal_message(mode: ImexMode, findings: list[Finding]) -> str:
     other = ImexMode.DRIVER_MANAGED if mode is ImexMode.HOST_MANAGED else ImexMode.HOST_MANAGED
-    named = "; ".join(str(f) for f in findings[:MAX_NAMED])
-    if len(findings) > MAX_NAMED:
-        named += f"; and {len(findings) - MAX_NAMED} more"
+    named = _named(findings)
     return (
         f"refusing to start with IMEX_MODE={mode.value}: {len(findings)} ComputeDomain(s) were set up in "
         f"{other.value} mode: {named}. Switching modes while ComputeDomains exist is unsupported: drain their "
