@@ -10,12 +10,13 @@ import json
 import os
 import random
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from computedomain.kube.client import ClientConfig, KubeClient
 from tests.testbed.cluster import REPO, LocalCluster, running_cluster
 from tests.testbed.nodes import gb200_node
 
@@ -86,6 +87,18 @@ def cluster() -> Iterator[Cluster]:
     with running_cluster() as local:
         local.install_base()
         yield Cluster(local)
+
+
+@pytest.fixture
+async def kube(cluster: Cluster) -> AsyncIterator[KubeClient]:
+    """A real KubeClient on the session's control plane."""
+    client = await KubeClient.connect(
+        kubeconfig=cluster.kubeconfig, config=ClientConfig(qps=100, burst=200, field_manager="cluster-tests")
+    )
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 @pytest.fixture

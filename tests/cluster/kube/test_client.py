@@ -63,7 +63,7 @@ async def test_crud_verbs_and_decoding(kube: KubeClient, namespace: str) -> None
     body["data"]["r"] = "3"
     replaced = CM.decode(await kube.replace(CONFIGMAPS, body))
     assert replaced.data == {"m": "2", "r": "3"}
-    assert any(m["manager"] == "kube-tests" for m in body["metadata"]["managedFields"])
+    assert any(m["manager"] == kube.config.field_manager for m in body["metadata"]["managedFields"])
 
     listed = await kube.list(CONFIGMAPS, namespace=namespace, label_selector="app=x")
     assert [CM.decode(c).name for c in listed.items] == ["a"]

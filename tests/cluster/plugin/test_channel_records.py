@@ -8,33 +8,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, GROUP_VERSION
-from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, ClientConfig, KubeClient
+from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
 from computedomain.plugin.channels import ChannelRecords
 from computedomain.plugin.collaborators import DomainInfo
 from computedomain.plugin.failures import ChannelNotAssignedError
-from tests.conftest import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
 CLIQUE = "5a4e6f10-9c1b-4d2e-8f3a-0b1c2d3e4f50.3"
 NODE = "gb-1"
-
-
-@pytest.fixture
-async def kube(cluster: Cluster) -> AsyncIterator[KubeClient]:
-    client = await KubeClient.connect(
-        kubeconfig=cluster.kubeconfig, config=ClientConfig(qps=100, burst=200, field_manager="channel-tests")
-    )
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 def record(namespace: str, domain: str, *, channel: int, claims: list[str]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from computedomain.api.constants import CHANNEL_DEVICE_CLASS, ISOLATED_CHANNEL_D
 from computedomain.api.models import ComputeDomainClique, ReadyStatus
 from computedomain.controller import adoption, guard
 from computedomain.controller.observed import ChildKind, Observed, decode_child
-from computedomain.controller.reconcile import CreateChild, DeleteRecord, Gone, WriteStatus, desired, fold
+from computedomain.controller.reconcile import CreateChild, DeleteRecord, WriteStatus, desired
 from computedomain.settings import ControllerSettings, ImexIsolation
 from tests.unit.controller.helpers import (
     DRIVER_NS,
@@ -24,22 +24,7 @@ from tests.unit.controller.helpers import (
     host_settings,
     settings,
 )
-from tests.unit.controller.test_reconcile import _short, apiserver
-
-
-def walk(observed: Observed, cfg: ControllerSettings, limit: int = 20) -> tuple[list[list[str]], Observed]:
-    """test_reconcile's walk, with the apiserver's answer to a record's delete."""
-    batches: list[list[str]] = []
-    for _ in range(limit):
-        plan = desired(observed, cfg, NOW)
-        if not plan:
-            return batches, observed
-        batches.append(sorted(_short(a) for a in plan.actions))
-        for action in plan.actions:
-            result = Gone() if isinstance(action, DeleteRecord) else apiserver(observed, action)
-            observed = fold(observed, action, result)
-    raise AssertionError(f"no convergence: {batches}")
-
+from tests.unit.controller.test_reconcile import walk
 
 CLIQUE = "6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40.1"
 

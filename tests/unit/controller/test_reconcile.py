@@ -14,6 +14,7 @@ from computedomain.controller.reconcile import (
     AddFinalizer,
     CreateChild,
     DeleteChild,
+    DeleteRecord,
     Gone,
     NameTaken,
     Pruned,
@@ -45,6 +46,8 @@ def apiserver(observed: Observed, action: Action) -> Result:
     """What the apiserver answers to each action (objects with finalizers linger while terminating)."""
     cd = observed.cd
     meta = cd.metadata
+    if isinstance(action, DeleteRecord):
+        return Gone()
     if isinstance(action, AddFinalizer):
         return cd.model_copy(update={"metadata": meta.model_copy(update={"finalizers": (COMPUTE_DOMAIN_FINALIZER,)})})
     if isinstance(action, RemoveFinalizer):
