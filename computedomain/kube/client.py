@@ -467,6 +467,8 @@ class KubeClient:
         """The response body of one API call. ``Transient`` and ``TooManyRequests`` are retried until
         ``max_attempts`` or until the next wait would overrun the call's ``deadline``: a long Retry-After is
         better handled by the work queue than by parking the caller. Errors carry the request."""
+        target = self._target(path, query)
+        data, headers = self._body(body, content_type)  # encoded once, sent as often as retried
         started = self._clock.now()
         attempt = 0
         while True:
@@ -477,9 +479,9 @@ class KubeClient:
                     path,
                     verb=verb,
                     resource=resource,
-                    query=query,
-                    body=body,
-                    content_type=content_type,
+                    target=target,
+                    data=data,
+                    headers=headers,
                     max_bytes=max_bytes,
                 )
             except (Transient, TooManyRequests) as exc:
@@ -523,21 +525,21 @@ class KubeClient:
         *,
         verb: str,
         resource: str,
-        query: Query | None,
-        body: Any,
-        content_type: str,
+        target: str,
+        data: bytes | None,
+        headers: list[tuple[str, str]],
         max_bytes: int | None = None,
     ) -> bytes:
+        """One exchange of an encoded request (``target``: the path with its query)."""
         await self._throttle()
         timeout = self.config.timeout
         code = "error"
         start = time.perf_counter()
-        data, headers = self._body(body, content_type)
         try:
             async with self._in_flight:
                 resp = await self._transport.request(
                     method,
-                    self._target(path, query),
+                    target,
                     headers=headers,
                     body=data,
                     within=timeout,
