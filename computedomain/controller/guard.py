@@ -9,7 +9,7 @@ and before any write, the controller checks every **live** (not terminating) dom
   scheduled for it);
 * starting **driverManaged**, a domain contradicts if it was set up hostManaged: our finalizer and a
   workload template labelled with its UID, but neither a daemon DaemonSet nor a daemon template. A
-  driverManaged controller never leaves that state behind: it creates the daemon objects before the workload
+  driverManaged controller never leaves that state behind: it creates the daemon template before the workload
   template and tears the workload template down first.
 
 The same holds for ``IMEX_ISOLATION`` (hostManaged): a pod that gets the shared channel 0 cannot talk to one of

@@ -15,9 +15,12 @@ Children are the labelled objects ``adoption`` accepts; every other labelled obj
 (condition ``ForeignObjects``, an Event when the set changes). A create that finds a foreign object holding the
 name stops there and says so in the Ready condition (``TemplateNameConflict``, ``NameConflict``).
 
-driverManaged, live domain: finalizer -> daemon template -> DaemonSet (a DaemonSet the reference driver made
-gets this project's pod template, with OnDelete updates: ``TakeOverDaemonSet``) (-> the daemons' NetworkPolicy,
-when enabled) -> workload template -> stale clique entries pruned -> status.
+driverManaged, live domain: finalizer -> daemon template (+ the daemons' NetworkPolicy, when enabled, so it is in
+place before the first daemon pod) -> DaemonSet (a DaemonSet the reference driver made gets this project's pod
+template, with OnDelete updates: ``TakeOverDaemonSet``) + workload template, in one batch -> stale clique
+entries pruned -> status. Three write round trips before the status rather than five: a burst of domains is
+bounded by round trips per worker. The workload template is never written before the daemon template (the mode
+guard reads a live domain with a workload template and no daemon objects as one set up hostManaged).
 hostManaged, live domain: finalizer -> workload template (allocationMode Single) -> status. With channel
 isolation (``IMEX_ISOLATION=channel``) ``allocationMode: All`` is refused (stuck), and the status carries the
 domain's IMEX channels (``channels``, assigned elsewhere) and says when a clique has none left.
@@ -213,33 +216,41 @@ def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> 
     if released:
         return _batch(*released)
     if not settings.host_managed:
-        for kind, build in (
-            (ChildKind.DAEMON_TEMPLATE, claim_templates.daemon_template),
-            (ChildKind.DAEMONSET, daemonset.daemonset),
-        ):
-            if not _live(observed, kind):
-                if observed.of_kind(kind):
-                    return _waiting(observed, now, f"waiting for the deleted {_WHAT[kind]} to go away", foreign)
-                if observed.conflict(kind):
-                    return _status_plan(observed, settings, now, foreign)
-                return _batch(CreateChild(kind, build(cd, settings)))
-        ds = _live(observed, ChildKind.DAEMONSET)[0]
-        if not adoption.is_ours(ds):
-            return _batch(TakeOverDaemonSet(ds))
-        if (
-            settings.daemon_network_policy
-            and not observed.of_kind(ChildKind.NETWORK_POLICY)
-            and not observed.conflict(ChildKind.NETWORK_POLICY)
-        ):
-            return _batch(CreateChild(ChildKind.NETWORK_POLICY, network_policy.network_policy(cd, settings)))
-    workload = _live(observed, ChildKind.WORKLOAD_TEMPLATE)
-    if not workload:
-        if observed.of_kind(ChildKind.WORKLOAD_TEMPLATE):
-            return _waiting(
-                observed, now, f"waiting for the deleted {_WHAT[ChildKind.WORKLOAD_TEMPLATE]} to go away", foreign
-            )
-        if not observed.conflict(ChildKind.WORKLOAD_TEMPLATE):
-            return _batch(CreateChild(ChildKind.WORKLOAD_TEMPLATE, claim_templates.workload_template(cd, settings)))
+        # Two batches: what must exist before the first daemon pod (its claim template; the NetworkPolicy, so
+        # the daemons' ports are closed to others from the start), then the DaemonSet with the workload
+        # template. The workload template never comes before the daemon template: a live domain with a
+        # workload template and no daemon objects is what the mode guard reads as set up hostManaged.
+        daemon_template = _step(observed, ChildKind.DAEMON_TEMPLATE)
+        if daemon_template.waiting:
+            return _waiting(observed, now, daemon_template.waiting, foreign)
+        if daemon_template.conflict:
+            return _status_plan(observed, settings, now, foreign)
+        first: list[Action] = []
+        if daemon_template.create:
+            first.append(CreateChild(ChildKind.DAEMON_TEMPLATE, claim_templates.daemon_template(cd, settings)))
+        if settings.daemon_network_policy and _step(observed, ChildKind.NETWORK_POLICY).create:
+            first.append(CreateChild(ChildKind.NETWORK_POLICY, network_policy.network_policy(cd, settings)))
+        if first:
+            return _batch(*first)
+        ds = _step(observed, ChildKind.DAEMONSET)
+        if ds.waiting:
+            return _waiting(observed, now, ds.waiting, foreign)
+        if ds.conflict:
+            return _status_plan(observed, settings, now, foreign)
+        second: list[Action] = []
+        if ds.create:
+            second.append(CreateChild(ChildKind.DAEMONSET, daemonset.daemonset(cd, settings)))
+        elif not adoption.is_ours(live := _live(observed, ChildKind.DAEMONSET)[0]):
+            second.append(TakeOverDaemonSet(live))
+        if _step(observed, ChildKind.WORKLOAD_TEMPLATE).create:
+            second.append(CreateChild(ChildKind.WORKLOAD_TEMPLATE, claim_templates.workload_template(cd, settings)))
+        if second:
+            return _batch(*second)
+    workload = _step(observed, ChildKind.WORKLOAD_TEMPLATE)
+    if workload.waiting:
+        return _waiting(observed, now, workload.waiting, foreign)
+    if workload.create:
+        return _batch(CreateChild(ChildKind.WORKLOAD_TEMPLATE, claim_templates.workload_template(cd, settings)))
     if not settings.host_managed and settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES):
         stale = status.stale_entries(observed.cliques, observed.pods)
         prunes = [PruneEntries(c, stale[c.metadata.name]) for c in observed.cliques if c.metadata.name in stale]
@@ -254,6 +265,26 @@ _WHAT = {
     ChildKind.WORKLOAD_TEMPLATE: "workload ResourceClaimTemplate",
     ChildKind.NETWORK_POLICY: "NetworkPolicy",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """What one child of a live domain needs: a create, a wait for a deleted one to go away, or nothing
+    (it is live, or a foreign object holds its name: ``conflict``, which the status tells)."""
+
+    create: bool = False
+    waiting: str = ""
+    conflict: bool = False
+
+
+def _step(observed: Observed, kind: ChildKind) -> _Step:
+    if _live(observed, kind):
+        return _Step()
+    if observed.of_kind(kind):
+        return _Step(waiting=f"waiting for the deleted {_WHAT[kind]} to go away")
+    if observed.conflict(kind):
+        return _Step(conflict=True)
+    return _Step(create=True)
 
 
 def _waiting(observed: Observed, now: datetime, waiting: str, foreign: Sequence[Foreign] = ()) -> Plan:

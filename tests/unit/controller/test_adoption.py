@@ -146,8 +146,11 @@ def test_the_report_goes_when_the_spoof_goes() -> None:
 
 def test_a_foreign_object_holding_the_daemonset_name_is_a_name_conflict() -> None:
     observed = Observed(cd=compute_domain(), children=(child(ChildKind.DAEMON_TEMPLATE),))
-    (create,) = desired(observed, CFG, NOW).actions
-    assert isinstance(create, CreateChild) and create.kind is ChildKind.DAEMONSET
+    creates = desired(observed, CFG, NOW).actions
+    assert all(isinstance(c, CreateChild) for c in creates)
+    by_kind = {c.kind: c for c in creates if isinstance(c, CreateChild)}
+    assert set(by_kind) == {ChildKind.DAEMONSET, ChildKind.WORKLOAD_TEMPLATE}  # one batch
+    create = by_kind[ChildKind.DAEMONSET]
     blocked = fold(observed, create, NameTaken(f"DaemonSet {DRIVER_NS}/computedomain-daemon-{UID} already exists"))
     (write,) = desired(blocked, CFG, NOW).actions
     assert isinstance(write, WriteStatus) and write.status.status is ReadyStatus.NOT_READY

@@ -12,14 +12,12 @@ from tests.unit.controller.test_reconcile import NOW, walk
 ON = {"DAEMON_NETWORK_POLICY": "true"}
 
 
-def test_created_after_the_daemonset_when_enabled() -> None:
+def test_created_before_the_daemonset_when_enabled() -> None:
     batches, final = walk(Observed(cd=compute_domain(finalizers=())), settings(**ON))
     assert batches == [
         ["AddFinalizer"],
-        ["create DaemonTemplate"],
-        ["create DaemonSet"],
-        ["create NetworkPolicy"],
-        ["create WorkloadTemplate"],
+        ["create DaemonTemplate", "create NetworkPolicy"],  # in place before the first daemon pod
+        ["create DaemonSet", "create WorkloadTemplate"],
         ["WriteStatus"],
     ]
     assert [c.kind for c in final.children if c.kind is ChildKind.NETWORK_POLICY]
