@@ -149,6 +149,70 @@ async def test_recorder_patches_after_each_flush() -> None:
     await rec.aclose()
 
 
+class HeldSink(FakeSink):
+    """Writes for the Events of held objects wait until released; counts the writes on the wire at once."""
+
+    def __init__(self, *held: str) -> None:
+        super().__init__()
+        self.gates = {name: asyncio.Event() for name in held}
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def _wire(self, name: str) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            gate = self.gates.get(name.split(".")[0])
+            if gate is not None:
+                await gate.wait()
+            await asyncio.sleep(0)
+        finally:
+            self.in_flight -= 1
+
+    async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
+        await self._wire(str(body["metadata"]["name"]))
+        return await super().create(resource, body, namespace=namespace)
+
+    async def merge_patch(
+        self,
+        resource: Resource,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        namespace: str | None = None,
+        subresource: str | None = None,
+    ) -> Raw:
+        await self._wire(name)
+        return await super().merge_patch(resource, name, patch, namespace=namespace)
+
+
+def ref(name: str) -> ObjectRef:
+    return ObjectRef(kind="ComputeDomain", api_version="resource.nvidia.com/v1beta1", name=name, namespace="ns")
+
+
+async def test_writers_send_different_events_at_once_and_one_event_in_order() -> None:
+    sink = HeldSink("slow")
+    rec = EventRecorder(sink, component="c", instance="i", writers=4)
+    for name in ("slow", "a", "b", "c"):
+        rec.record(ref(name), EventType.NORMAL, "Ready", "all daemons ready")
+    for _ in range(20):
+        await asyncio.sleep(0)
+    # The three others were written while the slow one's create was on the wire.
+    assert [name.split(".")[0] for _a, name, _b in sink.calls] == ["a", "b", "c"]
+    assert sink.most_in_flight >= 2
+    # A repeat of the slow Event while its create is on the wire: an idle writer takes the patch and must
+    # wait for the create rather than send the patch beside it (the apiserver would answer 404).
+    rec.record(ref("slow"), EventType.NORMAL, "Ready", "all daemons ready")
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert [name.split(".")[0] for _a, name, _b in sink.calls] == ["a", "b", "c"]
+    sink.gates["slow"].set()
+    await rec.flush()
+    slow = [(action, body.get("count")) for action, name, body in sink.calls if name.startswith("slow.")]
+    assert slow == [("create", 1), ("patch", 2)]
+    await rec.aclose()
+
+
 async def test_patch_of_expired_event_recreates_it() -> None:
     sink = FakeSink()
     rec = EventRecorder(sink, component="c", instance="i")
