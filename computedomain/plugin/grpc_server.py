@@ -14,8 +14,13 @@ Owns three asyncio gRPC servers and the socket files they listen on:
   wedged server turns into NOT_SERVING; and `readiness`, which is also NOT_SERVING while the agent reports a
   problem (a cache whose list or watch the apiserver refuses: the log line names the verb and resource).
 
-This is the only module of the package that imports grpc. Everything runs on the caller's event loop;
-servicer methods never block it (the Preparer is async). Start order is DRA first, registration second,
+This is the only module of the package that imports a gRPC library: grpclib (pure Python on `h2`, a few
+MiB where grpcio's core costs the agent ~11 MiB and seven threads). What grpclib leaves to its user is done
+here: a request's declared length is checked before it is read (`MAX_MESSAGE_BYTES`), `grpc.health.v1` is
+served from descriptors of our own (`health_v1`), and `stop(grace_s)` drains as grpcio's did: new calls get
+UNAVAILABLE, calls in flight get the grace period, then are cancelled and told UNAVAILABLE. Method tables
+come from the generated `*_pb2` service descriptors, so the wire names are the protos'. Everything runs on
+the caller's event loop; servicer methods never block it (the Preparer is async). Start order is DRA first, registration second,
 so the kubelet never learns an endpoint that is not listening yet; stale socket files from a previous run
 are removed before listening and again after stopping.
 """
@@ -25,14 +30,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+from grpclib.client import Channel, UnaryUnaryMethod
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.server import Server, Stream
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
 from computedomain.plugin.health import HealthReports
@@ -47,20 +57,11 @@ from computedomain.plugin.preparer import (
 )
 from computedomain.plugin.proto import (
     dra_health_v1alpha1_pb2,
-    dra_health_v1alpha1_pb2_grpc,
     dra_v1_pb2,
-    dra_v1_pb2_grpc,
     dra_v1beta1_pb2,
-    dra_v1beta1_pb2_grpc,
     pluginregistration_v1_pb2,
-    pluginregistration_v1_pb2_grpc,
 )
 
-# The generated *_pb2_grpc glue has no type stubs; treat it as dynamic rather than sprinkle ignores.
-_dra_v1_grpc: Any = dra_v1_pb2_grpc
-_dra_v1beta1_grpc: Any = dra_v1beta1_pb2_grpc
-_registration_grpc: Any = pluginregistration_v1_pb2_grpc
-_dra_health_grpc: Any = dra_health_v1alpha1_pb2_grpc
 _dra_health: Any = dra_health_v1alpha1_pb2
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,10 @@ HEALTH_SERVICES: Final = frozenset({"", "liveness"})
 READINESS_SERVICE: Final = "readiness"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH: Final = 107
+#: the largest request message read (grpc's default receive limit); grpclib itself would buffer any size
+MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+#: how long stop() waits for cancelled calls to end
+STOP_WAIT_S: Final = 1.0
 
 
 class SocketPathError(ValueError):
@@ -125,10 +130,6 @@ def remove_stale_socket(path: Path) -> bool:
     return True
 
 
-def _unix_target(path: Path) -> str:
-    return f"unix:{path}"
-
-
 def tcp_address(host: str, port: int) -> str:
     """gRPC's `host:port`: empty host -> every address (`[::]`, dual-stack), IPv6 literals bracketed."""
     if not host:
@@ -136,6 +137,185 @@ def tcp_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
+
+
+# --- gRPC plumbing on grpclib ----------------------------------------------------------------------------
+
+
+class _Calls:
+    """The unary calls in progress on a PluginServer's servers, so that stop() can let them finish. Once
+    draining, a new call is refused with UNAVAILABLE (a kubelet keeps its connection across our stop)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        if self.draining:
+            raise GRPCError(Status.UNAVAILABLE, "the node agent is stopping")
+        self.running += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.running -= 1
+            if not self.running:
+                self._idle.set()
+
+    async def drained(self, within_s: float) -> bool:
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await self._idle.wait()
+        return not self.running
+
+
+async def _receive(stream: Stream[Any, Any], message_type: Any) -> Any:
+    """The request message, bounded: grpclib's own `recv_message` buffers whatever length the peer declares,
+    and the health port is reachable from the pod network."""
+    h2: Any = stream._stream  # grpclib.protocol.Stream: the only way to read the length prefix first
+    prefix = await h2.recv_data(5)
+    if len(prefix) != 5:
+        raise GRPCError(Status.INTERNAL, "the request has no message")
+    if prefix[0]:
+        raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
+    size = int.from_bytes(prefix[1:], "big")
+    if size > MAX_MESSAGE_BYTES:
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})")
+    try:
+        return message_type.FromString(await h2.recv_data(size))
+    except DecodeError as exc:
+        raise GRPCError(Status.INTERNAL, f"the request is not a {message_type.DESCRIPTOR.full_name}: {exc}") from exc
+
+
+@contextlib.asynccontextmanager
+async def _told_when_stopped(calls: _Calls, stream: Stream[Any, Any]) -> AsyncIterator[None]:
+    """A call cancelled by stop() ends with UNAVAILABLE on the wire. grpclib would only cancel the handler and
+    leave the caller waiting for its deadline on a connection that stays open."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        if calls.draining:
+            with contextlib.suppress(Exception):
+                await stream.send_trailing_metadata(
+                    status=Status.UNAVAILABLE, status_message="the node agent stopped before the call finished"
+                )
+        raise
+
+
+def _mapping(calls: _Calls, pb2: Any, service: str, servicer: object) -> dict[str, Handler]:
+    """grpclib's method table for `service` of the generated module `pb2`, served by `servicer`'s methods of
+    the same names: `async def M(request) -> reply`, or an async generator of replies for a server stream."""
+    table: dict[str, Handler] = {}
+    for method in pb2.DESCRIPTOR.services_by_name[service].methods:
+        request_type = getattr(pb2, method.input_type.name)
+        reply_type = getattr(pb2, method.output_type.name)
+        impl = getattr(servicer, method.name)
+        if method.server_streaming:
+
+            async def serve(stream: Stream[Any, Any], impl: Any = impl, request_type: Any = request_type) -> None:
+                request = await _receive(stream, request_type)
+                async with _told_when_stopped(calls, stream):
+                    async for reply in impl(request):
+                        await stream.send_message(reply)
+
+            cardinality = Cardinality.UNARY_STREAM
+        else:
+
+            async def serve(stream: Stream[Any, Any], impl: Any = impl, request_type: Any = request_type) -> None:
+                with calls.one():
+                    request = await _receive(stream, request_type)
+                    async with _told_when_stopped(calls, stream):
+                        reply = await impl(request)
+                    await stream.send_message(reply)
+
+            cardinality = Cardinality.UNARY_UNARY
+        table[f"/{method.containing_service.full_name}/{method.name}"] = Handler(
+            serve, cardinality, request_type, reply_type
+        )
+    return table
+
+
+@dataclass(frozen=True)
+class _Servable:
+    """What grpclib's Server takes: an object with a method table."""
+
+    table: Mapping[str, Handler]
+
+    def __mapping__(self) -> Mapping[str, Handler]:
+        return self.table
+
+
+def _health_messages() -> Any:
+    """The `grpc.health.v1` messages, in a descriptor pool of their own: the test bed's grpc health client
+    registers the same names in the default pool, and one process may hold both."""
+    field = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(name="grpc/health/v1/health.proto", package="grpc.health.v1")
+    proto.syntax = "proto3"
+    request = proto.message_type.add(name="HealthCheckRequest")
+    request.field.add(name="service", number=1, label=field.LABEL_OPTIONAL, type=field.TYPE_STRING)
+    response = proto.message_type.add(name="HealthCheckResponse")
+    response.field.add(
+        name="status",
+        number=1,
+        label=field.LABEL_OPTIONAL,
+        type=field.TYPE_ENUM,
+        type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus",
+    )
+    statuses = response.enum_type.add(name="ServingStatus")
+    for number, name in enumerate(("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")):
+        statuses.value.add(name=name, number=number)
+    proto.message_type.add(name="HealthListRequest")
+    listing = proto.message_type.add(name="HealthListResponse")
+    listing.field.add(
+        name="statuses",
+        number=1,
+        label=field.LABEL_REPEATED,
+        type=field.TYPE_MESSAGE,
+        type_name=".grpc.health.v1.HealthListResponse.StatusesEntry",
+    )
+    entry = listing.nested_type.add(name="StatusesEntry")
+    entry.field.add(name="key", number=1, label=field.LABEL_OPTIONAL, type=field.TYPE_STRING)
+    entry.field.add(
+        name="value",
+        number=2,
+        label=field.LABEL_OPTIONAL,
+        type=field.TYPE_MESSAGE,
+        type_name=".grpc.health.v1.HealthCheckResponse",
+    )
+    entry.options.map_entry = True
+    service = proto.service.add(name="Health")
+    prefix = ".grpc.health.v1."
+    service.method.add(
+        name="Check", input_type=prefix + "HealthCheckRequest", output_type=prefix + "HealthCheckResponse"
+    )
+    service.method.add(name="List", input_type=prefix + "HealthListRequest", output_type=prefix + "HealthListResponse")
+    service.method.add(
+        name="Watch",
+        input_type=prefix + "HealthCheckRequest",
+        output_type=prefix + "HealthCheckResponse",
+        server_streaming=True,
+    )
+    pool = descriptor_pool.DescriptorPool()
+    classes = message_factory.GetMessages([proto], pool=pool)
+    return _HealthModule(pool.FindFileByName(proto.name), classes)
+
+
+class _HealthModule:
+    """Looks like a generated `*_pb2` module to `_mapping`: DESCRIPTOR and the message classes by name."""
+
+    def __init__(self, descriptor: Any, classes: Mapping[str, Any]) -> None:
+        self.DESCRIPTOR = descriptor
+        for full_name, cls in classes.items():
+            setattr(self, full_name.rsplit(".", 1)[-1], cls)
+
+
+health_v1: Any = _health_messages()
+SERVING: Final = 1
+NOT_SERVING: Final = 2
 
 
 # --- DRA node service ------------------------------------------------------------------------------------
@@ -157,7 +337,7 @@ class _DraService:
             seen.setdefault(claim.uid, ClaimRef(claim.namespace, claim.name, ClaimUid(claim.uid)))
         return list(seen.values())
 
-    async def NodePrepareResources(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def NodePrepareResources(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
         claims = self._claims(request)
         response = self._pb2.NodePrepareResourcesResponse()
         if not claims:
@@ -167,8 +347,7 @@ class _DraService:
             results: Mapping[ClaimUid, PrepareResult] = await self._preparer.prepare(claims)
         except Exception as exc:
             log.exception("prepare raised version=%s claims=%s", self._version, ",".join(map(str, claims)))
-            await context.abort(grpc.StatusCode.INTERNAL, f"prepare failed: {exc}")
-            raise  # abort raises; this only satisfies the type checker
+            raise GRPCError(Status.INTERNAL, f"prepare failed: {exc}") from exc
         for claim in claims:
             result = results.get(claim.uid)
             if result is None:
@@ -187,7 +366,7 @@ class _DraService:
                     out.share_id = device.share_id
         return response
 
-    async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def NodeUnprepareResources(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
         claims = self._claims(request)
         response = self._pb2.NodeUnprepareResourcesResponse()
         if not claims:
@@ -197,8 +376,7 @@ class _DraService:
             results: Mapping[ClaimUid, UnprepareResult] = await self._preparer.unprepare(claims)
         except Exception as exc:
             log.exception("unprepare raised version=%s claims=%s", self._version, ",".join(map(str, claims)))
-            await context.abort(grpc.StatusCode.INTERNAL, f"unprepare failed: {exc}")
-            raise
+            raise GRPCError(Status.INTERNAL, f"unprepare failed: {exc}") from exc
         for claim in claims:
             result = results.get(claim.uid)
             if result is None:
@@ -214,7 +392,7 @@ class _ResourceHealthService:
     def __init__(self, reports: HealthReports) -> None:
         self._reports = reports
 
-    async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802 (gRPC name)
+    async def NodeWatchResources(self, request: Any) -> AsyncIterator[Any]:  # noqa: N802 (gRPC name)
         log.debug("kubelet opened the device health stream devices=%s", ",".join(self._reports.devices))
         async for at, devices in self._reports.stream():
             yield _dra_health.NodeWatchResourcesResponse(
@@ -244,10 +422,10 @@ class _RegistrationService:
         )
         self._on_status = on_status
 
-    async def GetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def GetInfo(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
         return self._info
 
-    async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def NotifyRegistrationStatus(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
         self._on_status(RegistrationStatus(registered=request.plugin_registered, error=request.error))
         return pluginregistration_v1_pb2.RegistrationStatusResponse()
 
@@ -264,24 +442,25 @@ class _HealthService:
         problem = await self._self_check()
         if problem:
             log.warning("health check failed: %s", problem)
-            return health_pb2.HealthCheckResponse.NOT_SERVING
+            return NOT_SERVING
         if service == READINESS_SERVICE and self._readiness():
-            return health_pb2.HealthCheckResponse.NOT_SERVING  # the agent logged why when it happened
-        return health_pb2.HealthCheckResponse.SERVING
+            return NOT_SERVING  # the agent logged why when it happened
+        return SERVING
 
-    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def Check(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
         if request.service not in HEALTH_SERVICES | {READINESS_SERVICE}:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=await self._status(request.service))
+            raise GRPCError(Status.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_v1.HealthCheckResponse(status=await self._status(request.service))
 
-    async def List(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def List(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
         statuses = {name: await self._status(name) for name in (*sorted(HEALTH_SERVICES), READINESS_SERVICE)}
-        return health_pb2.HealthListResponse(
-            statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in statuses.items()}
+        return health_v1.HealthListResponse(
+            statuses={name: health_v1.HealthCheckResponse(status=s) for name, s in statuses.items()}
         )
 
-    async def Watch(self, request: Any, context: Any) -> None:  # noqa: N802 (gRPC name)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not served; poll Check")
+    async def Watch(self, request: Any) -> AsyncIterator[Any]:  # noqa: N802 (gRPC name)
+        raise GRPCError(Status.UNIMPLEMENTED, "Watch is not served; poll Check")
+        yield  # an async generator, as a server stream's method is
 
 
 # --- the whole surface -------------------------------------------------------------------------------------
@@ -315,9 +494,9 @@ class PluginServer:
         self._self_check_timeout_s = self_check_timeout_s
         self._readiness = readiness
         self.device_health = device_health or HealthReports((), pool="", host_managed=False, imex_problem=lambda: None)
-        self._dra_server: grpc.aio.Server | None = None
-        self._reg_server: grpc.aio.Server | None = None
-        self._health_server: grpc.aio.Server | None = None
+        self._calls = _Calls()
+        # Started servers, in stop order: registration first, so the kubelet stops routing to us first.
+        self._servers: dict[str, Server] = {}
         self.health_port: int | None = None
         self.registration_status: RegistrationStatus | None = None
         self.registered = asyncio.Event()
@@ -325,18 +504,41 @@ class PluginServer:
     # -- lifecycle
 
     async def start(self) -> None:
-        if self._dra_server is not None:
+        if self._servers or self._calls.draining:
             raise RuntimeError("PluginServer already started")
+        calls = self._calls
+        dra = _Servable(
+            _mapping(
+                calls, dra_v1_pb2, "DRAPlugin", _DraService(dra_v1_pb2, self._preparer, "v1", carries_share_id=True)
+            )
+            | _mapping(
+                calls,
+                dra_v1beta1_pb2,
+                "DRAPlugin",
+                _DraService(dra_v1beta1_pb2, self._preparer, "v1beta1", carries_share_id=False),
+            )
+            | _mapping(calls, _dra_health, "DRAResourceHealth", _ResourceHealthService(self.device_health))
+        )
+        registration = _Servable(
+            _mapping(
+                calls,
+                pluginregistration_v1_pb2,
+                "Registration",
+                _RegistrationService(self.driver_name, self.paths.dra, self._record_registration),
+            )
+        )
         try:
-            self._dra_server = await self._start_unix(self.paths.dra, self._add_dra_services)
-            self._reg_server = await self._start_unix(self.paths.registration, self._add_registration)
+            await self._start_unix("dra", self.paths.dra, dra)
+            await self._start_unix("registration", self.paths.registration, registration)
             if self._health_port_wanted is not None:
-                self._health_server = grpc.aio.server()
-                health = _HealthService(self.self_check, self._readiness)
-                health_pb2_grpc.add_HealthServicer_to_server(health, self._health_server)
-                address = tcp_address(self._health_host, self._health_port_wanted)
-                self.health_port = self._health_server.add_insecure_port(address)
-                await self._health_server.start()
+                listener = _tcp_listener(self._health_host, self._health_port_wanted)
+                self.health_port = int(listener.getsockname()[1])
+                health = _Servable(
+                    _mapping(calls, health_v1, "Health", _HealthService(self.self_check, self._readiness))
+                )
+                server = Server([health])
+                await server.start(sock=listener)
+                self._servers["health"] = server
         except BaseException:
             await self.stop(grace_s=0)
             raise
@@ -350,13 +552,21 @@ class PluginServer:
         )
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        """Stop accepting, let in-flight calls finish for up to grace_s, remove the socket files."""
-        # Registration first: the kubelet should stop routing to us before the service goes away.
-        servers = [self._reg_server, self._dra_server, self._health_server]
-        self._reg_server = self._dra_server = self._health_server = None
+        """Refuse new calls, let those in flight finish for up to grace_s, close, remove the socket files."""
+        servers = [self._servers[name] for name in ("registration", "dra", "health") if name in self._servers]
+        self._servers.clear()
+        if not await self._calls.drained(grace_s):
+            log.warning(
+                "stopping with %d call(s) unfinished after %gs; they are cancelled", self._calls.running, grace_s
+            )
         for server in servers:
-            if server is not None:
-                await server.stop(grace_s)
+            server.close()
+        for server in servers:
+            # grpclib waits for the cancelled calls; bounded, as a call that ignores its cancellation must not
+            # hold the process.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_WAIT_S):
+                    await server.wait_closed()
         for path in (self.paths.registration, self.paths.dra):
             with contextlib.suppress(OSError):
                 remove_stale_socket(path)
@@ -368,28 +578,12 @@ class PluginServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def _start_unix(self, path: Path, add: Any) -> grpc.aio.Server:
+    async def _start_unix(self, name: str, path: Path, servable: _Servable) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_socket(path)
-        server = grpc.aio.server()
-        add(server)
-        server.add_insecure_port(_unix_target(path))
-        await server.start()
-        return server
-
-    def _add_dra_services(self, server: grpc.aio.Server) -> None:
-        _dra_v1_grpc.add_DRAPluginServicer_to_server(
-            _DraService(dra_v1_pb2, self._preparer, "v1", carries_share_id=True), server
-        )
-        _dra_v1beta1_grpc.add_DRAPluginServicer_to_server(
-            _DraService(dra_v1beta1_pb2, self._preparer, "v1beta1", carries_share_id=False), server
-        )
-        _dra_health_grpc.add_DRAResourceHealthServicer_to_server(_ResourceHealthService(self.device_health), server)
-
-    def _add_registration(self, server: grpc.aio.Server) -> None:
-        _registration_grpc.add_RegistrationServicer_to_server(
-            _RegistrationService(self.driver_name, self.paths.dra, self._record_registration), server
-        )
+        server = Server([servable])
+        await server.start(path=str(path))
+        self._servers[name] = server
 
     def _record_registration(self, status: RegistrationStatus) -> None:
         self.registration_status = status
@@ -412,19 +606,47 @@ class PluginServer:
         """Dial our own sockets by path like the kubelet does. Returns None when healthy, else why not."""
         deadline = self._self_check_timeout_s
         try:
-            async with grpc.aio.insecure_channel(_unix_target(self.paths.registration)) as channel:
-                stub = _registration_grpc.RegistrationStub(channel)
-                info = await stub.GetInfo(pluginregistration_v1_pb2.InfoRequest(), timeout=deadline)
+            channel = Channel(path=str(self.paths.registration))
+            try:
+                info = await _unary(channel, pluginregistration_v1_pb2, "Registration", "GetInfo")(
+                    pluginregistration_v1_pb2.InfoRequest(), timeout=deadline
+                )
+            finally:
+                channel.close()
             if info.name != self.driver_name or info.endpoint != str(self.paths.dra):
                 where = self.paths.registration
                 return f"registration socket {where} answers for {info.name} at {info.endpoint}"
-            async with grpc.aio.insecure_channel(_unix_target(self.paths.dra)) as channel:
-                await _dra_v1_grpc.DRAPluginStub(channel).NodePrepareResources(
-                    dra_v1_pb2.NodePrepareResourcesRequest(), timeout=deadline
-                )
-                await _dra_v1beta1_grpc.DRAPluginStub(channel).NodePrepareResources(
-                    dra_v1beta1_pb2.NodePrepareResourcesRequest(), timeout=deadline
-                )
-        except grpc.aio.AioRpcError as exc:
-            return f"self-call over unix socket failed: {exc.code().name}: {exc.details()}"
+            channel = Channel(path=str(self.paths.dra))
+            try:
+                for pb2 in (dra_v1_pb2, dra_v1beta1_pb2):
+                    await _unary(channel, pb2, "DRAPlugin", "NodePrepareResources")(
+                        pb2.NodePrepareResourcesRequest(), timeout=deadline
+                    )
+            finally:
+                channel.close()
+        except GRPCError as exc:
+            return f"self-call over unix socket failed: {exc.status.name}: {exc.message}"
+        except (OSError, TimeoutError, StreamTerminatedError) as exc:
+            return f"self-call over unix socket failed: UNAVAILABLE: {exc or type(exc).__name__}"
         return None
+
+
+def _unary(channel: Channel, pb2: Any, service: str, method: str) -> UnaryUnaryMethod[Any, Any]:
+    described = pb2.DESCRIPTOR.services_by_name[service].methods_by_name[method]
+    return UnaryUnaryMethod(
+        channel,
+        f"/{described.containing_service.full_name}/{method}",
+        getattr(pb2, described.input_type.name),
+        getattr(pb2, described.output_type.name),
+    )
+
+
+def _tcp_listener(host: str, port: int) -> socket.socket:
+    """The health server's listening socket: on host, or on every address (dual-stack where the kernel
+    has IPv6). Made here so that port 0 yields one port, which `health_port` reports."""
+    if host:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host.strip("[]"), port), family=family)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))

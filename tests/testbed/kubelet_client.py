@@ -22,14 +22,7 @@ from typing import Any
 import grpc
 
 from computedomain.plugin.preparer import ClaimRef, ClaimUid, PreparedDevice, PrepareResult, UnprepareResult
-from computedomain.plugin.proto import (
-    dra_v1_pb2,
-    dra_v1_pb2_grpc,
-    dra_v1beta1_pb2,
-    dra_v1beta1_pb2_grpc,
-    pluginregistration_v1_pb2,
-    pluginregistration_v1_pb2_grpc,
-)
+from computedomain.plugin.proto import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_v1_pb2
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +35,33 @@ KUBELET_DRA_TIMEOUT_S = 45.0
 # The kubelet's plugin watcher is quicker to give up on GetInfo.
 GET_INFO_TIMEOUT_S = 10.0
 
-_VERSIONS: dict[str, tuple[Any, Any]] = {
-    V1: (dra_v1_pb2, dra_v1_pb2_grpc),
-    V1BETA1: (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc),
+# The kubelet's gRPC paths, written out (not derived from the plugin's tables, so a wrong one fails a test).
+_VERSIONS: dict[str, tuple[Any, str]] = {
+    V1: (dra_v1_pb2, "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/"),
+    V1BETA1: (dra_v1beta1_pb2, "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/"),
 }
+REGISTRATION = "/pluginregistration.Registration/"
+
+
+def unary(channel: grpc.aio.Channel, path: str, request_type: Any, reply_type: Any) -> Any:
+    """A grpcio callable for one unary method (the test bed's client side is grpcio, independent of the
+    plugin's server library)."""
+    return channel.unary_unary(
+        path, request_serializer=request_type.SerializeToString, response_deserializer=reply_type.FromString
+    )
+
+
+class _DraStub:
+    def __init__(self, channel: grpc.aio.Channel, pb2: Any, service: str) -> None:
+        self.NodePrepareResources = unary(
+            channel, service + "NodePrepareResources", pb2.NodePrepareResourcesRequest, pb2.NodePrepareResourcesResponse
+        )
+        self.NodeUnprepareResources = unary(
+            channel,
+            service + "NodeUnprepareResources",
+            pb2.NodeUnprepareResourcesRequest,
+            pb2.NodeUnprepareResourcesResponse,
+        )
 
 
 class RegistrationRejectedError(Exception):
@@ -102,14 +118,24 @@ class KubeletClient:
 
     async def get_info(self) -> PluginInfo:
         async with grpc.aio.insecure_channel(f"unix:{self.registration_socket}") as channel:
-            stub = pluginregistration_v1_pb2_grpc.RegistrationStub(channel)
-            reply = await stub.GetInfo(pluginregistration_v1_pb2.InfoRequest(), timeout=GET_INFO_TIMEOUT_S)
+            get_info = unary(
+                channel,
+                REGISTRATION + "GetInfo",
+                pluginregistration_v1_pb2.InfoRequest,
+                pluginregistration_v1_pb2.PluginInfo,
+            )
+            reply = await get_info(pluginregistration_v1_pb2.InfoRequest(), timeout=GET_INFO_TIMEOUT_S)
         return PluginInfo(reply.type, reply.name, reply.endpoint, tuple(reply.supported_versions))
 
     async def _notify(self, registered: bool, error: str = "") -> None:
         async with grpc.aio.insecure_channel(f"unix:{self.registration_socket}") as channel:
-            stub = pluginregistration_v1_pb2_grpc.RegistrationStub(channel)
-            await stub.NotifyRegistrationStatus(
+            notify = unary(
+                channel,
+                REGISTRATION + "NotifyRegistrationStatus",
+                pluginregistration_v1_pb2.RegistrationStatus,
+                pluginregistration_v1_pb2.RegistrationStatusResponse,
+            )
+            await notify(
                 pluginregistration_v1_pb2.RegistrationStatus(plugin_registered=registered, error=error),
                 timeout=GET_INFO_TIMEOUT_S,
             )
@@ -144,7 +170,7 @@ class KubeletClient:
             await self._notify(False, str(exc))
             raise
         self.info, self.version, self._channel = info, version, channel
-        self._stub = _VERSIONS[version][1].DRAPluginStub(channel)
+        self._stub = _DraStub(channel, *_VERSIONS[version])
         await self._notify(True)
         log.info("registered plugin=%s endpoint=%s version=%s", info.name, info.endpoint, version)
         return version

@@ -1,4 +1,8 @@
-"""Regenerates the Python gRPC modules from the .proto files in this folder.
+"""Regenerates the Python protobuf modules from the .proto files in this folder.
+
+Only the messages are generated (``*_pb2.py`` and their ``.pyi`` stubs): the node agent's gRPC server
+(``computedomain.plugin.grpc_server``, on grpclib) builds its method tables from the service descriptors in
+them, so no generated service glue is needed.
 
 Run from anywhere: ``.venv/bin/python computedomain/plugin/proto/generate.py``. The output is
 checked in; ``tests/unit/plugin/test_proto_wire.py`` fails when it is stale. Paths are given to
@@ -22,7 +26,7 @@ PROTOS = ("dra_v1.proto", "dra_v1beta1.proto", "dra_health_v1alpha1.proto", "plu
 
 
 def generate(out_dir: Path) -> None:
-    """Writes the ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` modules into out_dir/<package path>."""
+    """Writes the ``*_pb2.py`` and ``*_pb2.pyi`` modules into out_dir/<package path>."""
     package_dir = HERE.relative_to(REPO_ROOT)
     (out_dir / package_dir).mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"
@@ -33,7 +37,6 @@ def generate(out_dir: Path) -> None:
             f"-I{well_known}",
             f"--python_out={out_dir}",
             f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}",
             str(package_dir / name),
         ]
         if protoc.main(args) != 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import stat
@@ -27,8 +28,8 @@ from computedomain.plugin.preparer import (
     PrepareResult,
     UnprepareResult,
 )
-from computedomain.plugin.proto import dra_v1_pb2, dra_v1_pb2_grpc
-from tests.testbed.kubelet_client import V1, V1BETA1, KubeletClient, PluginInfo, RegistrationRejectedError
+from computedomain.plugin.proto import dra_v1_pb2
+from tests.testbed.kubelet_client import V1, V1BETA1, KubeletClient, PluginInfo, RegistrationRejectedError, unary
 
 DRIVER = "compute-domain.nvidia.com"
 
@@ -309,9 +310,12 @@ async def test_health_not_serving_when_a_socket_is_gone(
 async def test_health_self_check_uses_dra_socket(server: PluginServer, paths: SocketPaths) -> None:
     # The check must go over the socket by path: a plain v1 client sees the same service it does.
     async with grpc.aio.insecure_channel(f"unix:{paths.dra}") as channel:
-        reply = await dra_v1_pb2_grpc.DRAPluginStub(channel).NodePrepareResources(
-            dra_v1_pb2.NodePrepareResourcesRequest(), timeout=10
-        )
+        reply = await unary(
+            channel,
+            "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+            dra_v1_pb2.NodePrepareResourcesRequest,
+            dra_v1_pb2.NodePrepareResourcesResponse,
+        )(dra_v1_pb2.NodePrepareResourcesRequest(), timeout=10)
     assert len(reply.claims) == 0
     assert await server.self_check() is None
 
@@ -338,3 +342,111 @@ def test_kubelet_stand_in_rejects_bad_plugin_info() -> None:
         client._choose_version(PluginInfo("CSIPlugin", DRIVER, "/abs/dra.sock", (V1,)))
     with pytest.raises(RegistrationRejectedError, match="absolute"):
         client._choose_version(PluginInfo("DRAPlugin", DRIVER, "dra.sock", (V1,)))
+
+
+# --- what the server library leaves to us: bounded requests, the health contract, graceful stop, deadlines
+
+
+def test_health_messages_are_grpcs_own() -> None:
+    # Our grpc.health.v1 lives in a pool of its own; it must be wire-identical to grpc's published one.
+    from google.protobuf import descriptor_pb2
+
+    from computedomain.plugin.grpc_server import health_v1
+
+    ours, theirs = descriptor_pb2.FileDescriptorProto(), descriptor_pb2.FileDescriptorProto()
+    health_v1.DESCRIPTOR.CopyToProto(ours)
+    health_pb2.DESCRIPTOR.CopyToProto(theirs)
+    for proto in (ours, theirs):
+        proto.ClearField("name")
+        proto.ClearField("options")
+        proto.ClearField("syntax")
+    assert ours == theirs
+
+
+async def test_health_list(server: PluginServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10)
+        assert {name: s.status for name, s in reply.statuses.items()} == dict.fromkeys(
+            ("", "liveness", "readiness"), health_pb2.HealthCheckResponse.SERVING
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10):
+                pass
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_oversized_request_is_refused_before_it_is_read(server: PluginServer) -> None:
+    # A 5-byte gRPC frame prefix that declares 1 GiB: refused from the prefix, nothing buffered.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=lambda _: b"\x0a\x03abc" + b"x" * (5 * 1024 * 1024),
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await check(None, timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in (err.value.details() or "")
+
+
+class SlowPreparer(FakePreparer):
+    """Prepare waits for `release`; records a cancellation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[ClaimUid, PrepareResult]:
+        self.started.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return await super().prepare(claims)
+
+
+async def test_stop_lets_a_call_in_flight_finish_and_refuses_new_ones(paths: SocketPaths) -> None:
+    preparer = SlowPreparer()
+    srv = PluginServer(preparer, paths, health_port=None)
+    await srv.start()
+    async with KubeletClient(paths.registration) as kubelet:
+        call = asyncio.ensure_future(kubelet.prepare([CLAIM_A]))
+        await preparer.started.wait()
+        stopping = asyncio.ensure_future(srv.stop(grace_s=10))
+        await asyncio.sleep(0)  # stop() has begun draining
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kubelet.unprepare([CLAIM_B])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        preparer.release.set()
+        result = await call
+        await stopping
+    assert result[CLAIM_A.uid].devices and not preparer.cancelled.is_set()
+    assert not paths.dra.exists() and not paths.registration.exists()
+
+
+async def test_stop_cancels_a_call_past_the_grace_period(paths: SocketPaths) -> None:
+    preparer = SlowPreparer()
+    srv = PluginServer(preparer, paths, health_port=None)
+    await srv.start()
+    async with KubeletClient(paths.registration) as kubelet:
+        call = asyncio.ensure_future(kubelet.prepare([CLAIM_A]))
+        await preparer.started.wait()
+        await srv.stop(grace_s=0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, "told at once, not left to the kubelet's deadline"
+    assert preparer.cancelled.is_set()
+
+
+async def test_the_kubelets_deadline_cancels_the_prepare(paths: SocketPaths) -> None:
+    preparer = SlowPreparer()
+    async with PluginServer(preparer, paths, health_port=None):
+        kubelet = KubeletClient(paths.registration, timeout_s=0.2)
+        async with kubelet:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await kubelet.prepare([CLAIM_A])
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(preparer.cancelled.wait(), 5)

@@ -16,7 +16,7 @@ import pytest
 from computedomain.kube.clock import FakeClock
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.health import DeviceHealth, Health, HealthReports, HostState, device_health
-from computedomain.plugin.proto import dra_health_v1alpha1_pb2, dra_health_v1alpha1_pb2_grpc
+from computedomain.plugin.proto import dra_health_v1alpha1_pb2
 from tests.unit.plugin.test_grpc_server import FakePreparer
 
 pytestmark = pytest.mark.timeout(10)
@@ -114,8 +114,12 @@ async def test_the_kubelets_stream_on_the_dra_socket(short_dir: Path) -> None:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"unix:{paths.dra}") as channel:
-            stub: Any = dra_health_v1alpha1_pb2_grpc.DRAResourceHealthStub(channel)
-            call = stub.NodeWatchResources(dra_health_v1alpha1_pb2.NodeWatchResourcesRequest())
+            watch: Any = channel.unary_stream(
+                "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+                request_serializer=dra_health_v1alpha1_pb2.NodeWatchResourcesRequest.SerializeToString,
+                response_deserializer=dra_health_v1alpha1_pb2.NodeWatchResourcesResponse.FromString,
+            )
+            call = watch(dra_health_v1alpha1_pb2.NodeWatchResourcesRequest())
             first = await asyncio.wait_for(call.read(), 5)
             (device,) = first.devices
             assert (device.device.pool_name, device.device.device_name) == ("node-a", "channel-0")
