@@ -23,9 +23,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import h11
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-from prometheus_client.registry import CollectorRegistry
 
+from computedomain.metrics import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from computedomain.settings import EndpointError, parse_endpoint
 
 __all__ = ["EndpointError", "HttpServer", "bound_port", "parse_endpoint", "start_http"]

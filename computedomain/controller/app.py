@@ -29,10 +29,6 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from prometheus_client import REGISTRY
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from computedomain.controller import adoption, guard
 from computedomain.controller.caches import Caches
 from computedomain.controller.channel_assigner import ChannelAssigner
@@ -46,6 +42,7 @@ from computedomain.kube.informer import event_reporter
 from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.leader import LeaderElector, LeadershipLost, make_identity
 from computedomain.kube.version import UnsupportedServerError, require_supported
+from computedomain.metrics import REGISTRY, Collector, GaugeMetricFamily
 from computedomain.settings import ControllerSettings, describe
 
 log = logging.getLogger("computedomain.controller")

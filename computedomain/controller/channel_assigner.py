@@ -25,8 +25,6 @@ import logging
 import time
 from typing import Any, Final
 
-from prometheus_client import Counter
-
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, GROUP_VERSION
 from computedomain.api.models import ComputeDomainClique
 from computedomain.controller import channels
@@ -50,6 +48,7 @@ from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, LEASES, NODES
 from computedomain.kube.converge import DONE, ReconcileResult, RequeueAfter
 from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
 from computedomain.kube.events import EventType
+from computedomain.metrics import Counter
 from computedomain.settings import ControllerSettings
 
 log = logging.getLogger(__name__)

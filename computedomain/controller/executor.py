@@ -40,8 +40,6 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-from prometheus_client import Counter
-
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, ComputeDomainStatus
 from computedomain.api.types import index_lock, index_locks
@@ -91,6 +89,7 @@ from computedomain.kube.converge import (
 )
 from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
+from computedomain.metrics import Counter
 from computedomain.settings import ControllerSettings
 
 log = logging.getLogger(__name__)

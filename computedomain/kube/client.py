@@ -38,8 +38,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 from urllib.parse import quote, urlencode
 
-from prometheus_client import Counter, Histogram
-
 from computedomain.kube import config as kube_config
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.decoding import (
@@ -62,6 +60,7 @@ from computedomain.kube.errors import (
 )
 from computedomain.kube.ratelimit import TokenBucket
 from computedomain.kube.transport import MAX_BODY, BodyTooLargeError, StreamResponse, Transport
+from computedomain.metrics import Counter, Histogram
 
 __all__ = [
     "COMPUTE_DOMAINS",

@@ -47,12 +47,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
-from prometheus_client import Counter, Histogram
-
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import KubeError, TooManyRequests, explain
 from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
 from computedomain.kube.workqueue import DONE, Done, QueueShutDown, ReconcileResult, RequeueAfter, WorkQueue
+from computedomain.metrics import Counter, Histogram
 
 __all__ = [
     "DEFAULT_RETRIES",

@@ -40,12 +40,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from prometheus_client import Counter
-
 from computedomain.kube.client import EVENTS, Raw, Resource
 from computedomain.kube.clock import Clock, MonotonicClock, utcnow
 from computedomain.kube.errors import KubeError, NotFound
 from computedomain.kube.ratelimit import TokenBucket
+from computedomain.metrics import Counter
 
 __all__ = [
     "Decision",

@@ -47,8 +47,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from prometheus_client import Counter, Gauge
-
 from computedomain.api.limits import shown
 from computedomain.kube.client import KubeClient, Raw, Resource
 from computedomain.kube.clock import Clock, MonotonicClock
@@ -56,6 +54,7 @@ from computedomain.kube.decoding import Rejected
 from computedomain.kube.errors import Gone, KubeError, explain
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
 from computedomain.kube.ratelimit import TokenBucket
+from computedomain.metrics import Counter, Gauge
 
 __all__ = ["Informer", "Rejection", "event_reporter", "object_key", "problems", "wait_for_sync"]
 

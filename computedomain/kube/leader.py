@@ -31,11 +31,10 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from prometheus_client import Counter, Gauge
-
 from computedomain.kube.client import LEASES, KubeClient, Raw
 from computedomain.kube.clock import Clock, MonotonicClock, utcnow
 from computedomain.kube.errors import Conflict, KubeError, NotFound
+from computedomain.metrics import Counter, Gauge
 
 __all__ = ["LeaderElector", "LeadershipLost", "make_identity"]
 

@@ -31,10 +31,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeAlias, TypeVar
 
-from prometheus_client import Counter, Gauge, Histogram
-
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
+from computedomain.metrics import Counter, Gauge, Histogram
 
 __all__ = ["DONE", "Done", "QueueShutDown", "ReconcileResult", "RequeueAfter", "WorkQueue"]
 

@@ -28,9 +28,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from prometheus_client import Counter
-
 from computedomain.kube.clock import Clock, run_within
+from computedomain.metrics import Counter
 from computedomain.plugin.failures import ClaimError, RetryableError, StillWaitingError, classify
 from computedomain.plugin.preparer import ClaimRef
 

@@ -29,10 +29,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
-
+from computedomain.metrics import REGISTRY, Collector, Counter, Gauge, GaugeMetricFamily, Histogram
 from computedomain.plugin.checkpoint import Checkpoint, CheckpointError, ClaimState
 from computedomain.plugin.preparer import (
     ClaimRef,

@@ -41,10 +41,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from prometheus_client import Counter, Histogram
-
 from computedomain.api.constants import DRIVER_NAME
 from computedomain.kube.clock import Clock, MonotonicClock, utcnow
+from computedomain.metrics import Counter, Histogram
 from computedomain.plugin import cdi
 from computedomain.plugin.budget import Budget, within_budget
 from computedomain.plugin.cdi import CdiSpecDir, ClaimSpec, ContainerEdits

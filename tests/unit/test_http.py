@@ -7,9 +7,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter
 
 from computedomain.http import EndpointError, bound_port, parse_endpoint, start_http
+from computedomain.metrics import CollectorRegistry, Counter
 
 
 @pytest.mark.parametrize(

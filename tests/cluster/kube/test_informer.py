@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import pytest
-from prometheus_client import REGISTRY
 
 from computedomain.kube.client import KubeClient, Raw
 from computedomain.kube.informer import Informer, wait_for_sync
+from computedomain.metrics import REGISTRY
 from tests.cluster.kube.conftest import CONFIGMAPS, compact_etcd
 from tests.conftest import Cluster
 

@@ -8,8 +8,8 @@ import importlib
 import json
 
 import pytest
-from prometheus_client import REGISTRY, generate_latest
 
+from computedomain.metrics import REGISTRY, generate_latest
 from tests.unit.manifests.chart import render
 from tests.unit.manifests.monitoring import (
     SYNTHESIZED,

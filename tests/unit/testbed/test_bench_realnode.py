@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import pytest
-from prometheus_client import generate_latest
 
+from computedomain.metrics import generate_latest
 from computedomain.plugin.metrics import Instrumented
 from computedomain.plugin.preparer import ClaimRef, ClaimUid, PrepareResult, UnprepareResult
 from tests.bench.realnode import Calls
