@@ -104,6 +104,24 @@ async def test_domain_over_two_cliques_indices_unique_stable_and_agreed_through_
         assert worker is not None
         assert f"exec {node.root / 'usr/bin/nvidia-imex'} " in (worker.dir / "bin" / "nvidia-imex").read_text()
 
+    # The node lifecycle controller marks a node's pods NotReady while the node's lease lags (kwok's does on
+    # loaded machines); the kubelet puts its own verdict back, and with it the daemon's entry and the domain.
+    marked = pods[sim.topology.rack(0)[1].name]["metadata"]["name"]
+    await sim.akubectl("patch", "pod", marked, "-n", sim.driver_ns, "--subresource=status", "--type=strategic",
+                       "-p", '{"status":{"conditions":[{"type":"Ready","status":"False"}]}}')  # fmt: skip
+
+    async def ready_again() -> bool:
+        pod = sim.get("pod", marked, sim.driver_ns) or {}
+        ready = [c["status"] for c in pod.get("status", {}).get("conditions", []) if c["type"] == "Ready"]
+        now = clique_entries(sim, uid)
+        return (
+            ready == ["True"]
+            and bool(cd_ready(sim, "wide"))
+            and all(e["status"] == "Ready" for c in now.values() for e in c.values())
+        )
+
+    await eventually(ready_again, within=60, what=f"pod {marked} Ready again after the node controller's mark")
+
     before = indices(entries)
     victim = sim.topology.rack(1)[3]
     pod = pods[victim.name]

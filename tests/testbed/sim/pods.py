@@ -148,6 +148,8 @@ class PodWorker:
         self.deleting = asyncio.Event()
         self.containers = [ContainerState(c) for c in pod["spec"]["containers"] if c.get("image") in runner.images]
         self._status_lock = asyncio.Lock()
+        self.status_written = False  # our first status write is done: from then on our Ready verdict stands
+        self._reasserting = False
         self.task: asyncio.Task[None] | None = None
 
     @property
@@ -302,8 +304,7 @@ class PodWorker:
             if current["metadata"]["uid"] != self.uid:
                 return
             status = current.get("status") or {}
-            ready = all(c.ready for c in self.containers) and not self.deleting.is_set()
-            flag = "True" if ready else "False"
+            flag = "True" if self.ready() else "False"
             conditions = [
                 c for c in status.get("conditions") or () if c.get("type") not in ("Ready", "ContainersReady")
             ]
@@ -335,9 +336,36 @@ class PodWorker:
                 await self.runner.client.merge_patch(
                     PODS, self.name, {"status": patch}, namespace=self.namespace, subresource="status"
                 )
+                self.status_written = True
 
     def _changed(self) -> None:
         self.runner.spawn(self.write_status(), f"status-{self.key}")
+
+    def ready(self) -> bool:
+        return all(c.ready for c in self.containers) and not self.deleting.is_set()
+
+    def reassert(self, pod: Raw) -> None:
+        """The kubelet owns its pods' Ready condition: when the API shows another verdict than ours (the node
+        lifecycle controller marks a node's pods NotReady while the node's lease lags, as kwok's does on two
+        loaded cores), our next status sync puts ours back, as the kubelet's status manager does. Without it
+        such a pod stayed NotReady for good, and with it its daemon's entry and the domain."""
+        if not self.status_written or self._reasserting or self._status_lock.locked():
+            return
+        shown = next(
+            (c.get("status") for c in (pod.get("status") or {}).get("conditions") or () if c.get("type") == "Ready"),
+            None,
+        )
+        if shown == ("True" if self.ready() else "False"):
+            return
+        self._reasserting = True
+
+        async def sync() -> None:
+            try:
+                await self.write_status()
+            finally:
+                self._reasserting = False
+
+        self.runner.spawn(sync(), f"status-{self.key}")
 
     # -- lifecycle
 
@@ -507,6 +535,8 @@ class PodRunner:
             worker.pod = pod if not meta.get("deletionTimestamp") else worker.pod
             if meta.get("deletionTimestamp"):
                 worker.deleting.set()
+            else:
+                worker.reassert(pod)
             return
         node = self._node(pod)
         status = pod.get("status") or {}
