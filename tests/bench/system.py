@@ -220,6 +220,7 @@ async def run(bench: Bench) -> None:
             # 2 s, ~0.12 at 5 s (18 simulators alone: 4.6 -> 1.7 ms of CPU per second each).
             imex_heartbeat_s=5.0,
             imex_heartbeat_misses=4,
+            imex_fork_server=True,
         ),
         restart_backoff_s=2.0,
         log_level="warning",

@@ -27,9 +27,14 @@ async def start_sim(cluster: Cluster, config: SimConfig) -> AsyncIterator[SimClu
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def racks(cluster: Cluster) -> AsyncIterator[SimCluster]:
     """2 racks x 10 trays (2 cliques) + 1 non-fabric node = 21 nodes; node agents seven to a process, IMEX
-    daemons one process each (scenarios SIGKILL single daemons)."""
+    daemons one process each (scenarios SIGKILL single daemons), their simulators started by the fork server
+    (as the 72-node benchmark starts them)."""
     config = SimConfig(
-        racks=2, trays_per_rack=10, non_fabric=1, hosting=Hosting(plugins_per_host=7), restart_backoff_s=1.0
+        racks=2,
+        trays_per_rack=10,
+        non_fabric=1,
+        hosting=Hosting(plugins_per_host=7, imex_fork_server=True),
+        restart_backoff_s=1.0,
     )
     async for sim in start_sim(cluster, config):
         yield sim

@@ -102,7 +102,7 @@ async def test_domain_over_two_cliques_indices_unique_stable_and_agreed_through_
     for node in sim.topology.rack(0)[:2]:
         worker = sim.runner.worker(sim.driver_ns, pods[node.name]["metadata"]["name"])
         assert worker is not None
-        assert f"exec {node.root / 'usr/bin/nvidia-imex'} " in (worker.dir / "bin" / "nvidia-imex").read_text()
+        assert f" {node.root / 'usr/bin/nvidia-imex'} " in (worker.dir / "bin" / "nvidia-imex").read_text()
 
     # The node lifecycle controller marks a node's pods NotReady while the node's lease lags (kwok's does on
     # loaded machines); the kubelet puts its own verdict back, and with it the daemon's entry and the domain.
