@@ -118,6 +118,7 @@ def serve() -> int:
     while True:
         for key, _ in sel.select():
             if key.data == "stdin" and not os.read(sys.stdin.fileno(), 4096):
+                signal.set_wakeup_fd(-1)
                 for pid in children:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
