@@ -30,6 +30,8 @@ _MAX_SHOWN = 500
 class CheckResult:
     ready: bool
     message: str
+    #: the state the ctl reported when it answered but not READY (None: READY, no answer, or no IMEX here)
+    state: ImexState | None = None
 
 
 def is_ready_output(exit_code: int, output: str) -> bool:
@@ -52,7 +54,9 @@ async def check(settings: DaemonSettings, *, runner: CommandRunner = run_command
     state = ImexState.from_output(result.output)
     # One line: the kubelet shows it in the probe's Event.
     shown = " ".join(result.output.split())[:_MAX_SHOWN] or "(no output)"
-    return CheckResult(False, f"IMEX daemon not ready: state {state}, exit code {result.exit_code}; output: {shown}")
+    return CheckResult(
+        False, f"IMEX daemon not ready: state {state}, exit code {result.exit_code}; output: {shown}", state
+    )
 
 
 def report(result: CheckResult, out: TextIO | None = None) -> int:

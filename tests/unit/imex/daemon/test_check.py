@@ -3,6 +3,7 @@ and the same verdict over the daemon's probe endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from pathlib import Path
@@ -10,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
+from computedomain.kube.clock import FakeClock
 from computedomain.kube.informer import Informer
 from computedomain.kube.transport import Endpoint, Transport
 from computedomain.settings import load_settings
-from imex.daemon.check import check, is_ready_output, report
-from imex.daemon.run import serve_check
+from imex.daemon.check import CheckResult, check, is_ready_output, report
+from imex.daemon.run import SETTLE_EVERY_S, SETTLE_S, serve_check, settled_check
 from imex.daemon.settings import DaemonSettings
-from imex.host_check import CommandResult
+from imex.host_check import CommandResult, ImexState
 
 CASES = [
     (0, "READY\n", True),
@@ -92,7 +94,7 @@ async def test_the_daemon_answers_its_probes_with_the_check(tmp_path: Path) -> N
     """`run` serves GET /ready on the pod IP: the kubelet's httpGet probe gets `check`'s exact verdict."""
     ctl = tmp_path / "ctl"
     state = tmp_path / "state"
-    state.write_text("WAITING_FOR_PEERS")
+    state.write_text("INITIALIZING")
     ctl.write_text(f"#!/bin/sh\ncat {state}\necho\n")
     ctl.chmod(0o755)
     with socket.socket() as s:  # a free port on the "pod IP"
@@ -107,7 +109,7 @@ async def test_the_daemon_answers_its_probes_with_the_check(tmp_path: Path) -> N
     transport = Transport(Endpoint("http", "127.0.0.1", port))
     try:
         waiting = await transport.request("GET", "/ready", within=5)
-        assert waiting.status == 503 and b"state WAITING_FOR_PEERS" in waiting.body
+        assert waiting.status == 503 and b"state INITIALIZING" in waiting.body
         state.write_text("READY")
         ready = await transport.request("GET", "/ready", within=5)
         assert (ready.status, ready.body) == (200, b"READY\n")
@@ -120,3 +122,42 @@ async def test_the_daemon_answers_its_probes_with_the_check(tmp_path: Path) -> N
         await transport.close()
         await server.cleanup()
     assert await serve_check(settings(tmp_path, CHECK_PORT="0")) is None
+
+
+def _states(*states: str) -> tuple[list[str], object]:
+    """A `check` whose ctl answers `states` in turn (the last one for ever); records each call."""
+    calls: list[str] = []
+
+    async def run(_settings: DaemonSettings) -> CheckResult:
+        state = states[min(len(calls), len(states) - 1)]
+        calls.append(state)
+        if state == "READY":
+            return CheckResult(True, "READY")
+        return CheckResult(False, f"IMEX daemon not ready: state {state}", ImexState(state))
+
+    return calls, run
+
+
+async def test_ready_waits_out_imex_connecting_to_a_peer_that_just_joined(tmp_path: Path) -> None:
+    clock = FakeClock()
+    calls, run = _states("WAITING_FOR_PEERS", "WAITING_FOR_PEERS", "READY")
+    task = asyncio.create_task(settled_check(settings(tmp_path), clock, run=run))  # type: ignore[arg-type]
+    await clock.advance(2 * SETTLE_EVERY_S + 0.01)
+    assert task.done() and task.result().ready and calls == ["WAITING_FOR_PEERS", "WAITING_FOR_PEERS", "READY"]
+
+
+async def test_ready_fails_when_a_peer_stays_unconnected(tmp_path: Path) -> None:
+    clock = FakeClock()
+    calls, run = _states("WAITING_FOR_PEERS")
+    task = asyncio.create_task(settled_check(settings(tmp_path), clock, run=run))  # type: ignore[arg-type]
+    await clock.advance(SETTLE_S + SETTLE_EVERY_S)
+    assert task.done()
+    result = task.result()
+    assert not result.ready and "WAITING_FOR_PEERS" in result.message
+    assert 1 + SETTLE_S / SETTLE_EVERY_S - 1 <= len(calls) <= 2 + SETTLE_S / SETTLE_EVERY_S
+
+
+async def test_ready_answers_other_states_at_once(tmp_path: Path) -> None:
+    calls, run = _states("INITIALIZING", "READY")
+    result = await settled_check(settings(tmp_path), FakeClock(), run=run)  # type: ignore[arg-type]
+    assert not result.ready and calls == ["INITIALIZING"]
