@@ -68,6 +68,7 @@ class Round:
         self.at: dict[str, float] = {}
         self.curves: dict[str, list[tuple[float, float]]] = {}
         self.requests: Counter[tuple[str, str, str]] = Counter()  # the apiserver's, during the round
+        self.cpu: Counter[str] = Counter()  # CPU seconds of the bring-up's processes during the round, by kind
 
     def _mark(self, what: str) -> None:
         self.at.setdefault(what, time.monotonic())
@@ -141,6 +142,56 @@ def _controller_cpu(sim: SimCluster) -> tuple[int, float] | None:
     return None
 
 
+def _process_cpu() -> dict[int, tuple[int, float, bytes]]:
+    """Every process' parent, CPU seconds so far and command line."""
+    tck = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[int, float, bytes]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cpu = (int(fields[11]) + int(fields[12])) / tck
+                out[int(entry.name)] = (int(fields[1]), cpu, (entry / "cmdline").read_bytes())
+    return out
+
+
+def cpu_by_kind(sim: SimCluster) -> Counter[str]:
+    """CPU seconds so far of the bring-up's processes by kind: the control plane's, and this process with its
+    descendants (the simulation's kwok, hosted node agents and daemons, IMEX simulators, the controller)."""
+    procs = _process_cpu()
+    named: dict[int, str] = {pid: name for name, pid in (sim.local.state() or {}).get("pids", {}).items()}
+    named.pop(next((p for p, n in named.items() if n == "kwok"), -1), None)  # the shared cluster's, not ours
+    if sim.runner is not None:
+        for kind, pool in sim.runner.pools.items():
+            named.update({host.pid: f"hosted {kind}s" for host in pool.hosts})
+        if sim.runner.fork_server is not None:
+            named[sim.runner.fork_server.pid] = "IMEX simulators"
+    me = os.getpid()
+    named[me] = "bench, pod runner, kubelet stand-ins"
+
+    def kind(pid: int) -> str | None:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid in named:
+                return named[pid]
+            parent, _cpu, cmdline = procs.get(pid, (0, 0.0, b""))
+            if b"nvidia-imex" in cmdline and b"nvidia-imex-ctl" not in cmdline:
+                return "IMEX simulators"
+            if b"podhost\x00--one" in cmdline:
+                return "controller"
+            if b"kwok" in cmdline.split(b"\x00")[0]:
+                return "kwok"
+            pid, seen = parent, seen + 1
+        return None
+
+    out: Counter[str] = Counter()
+    for pid, (_parent, cpu, _cmdline) in procs.items():
+        k = kind(pid)
+        if k is not None:
+            out[k] += cpu
+    return out
+
+
 async def one_round(sim: SimCluster, index: int, nodes: int, within: float) -> Round:
     assert sim.client is not None
     client = sim.client
@@ -164,6 +215,7 @@ async def one_round(sim: SimCluster, index: int, nodes: int, within: float) -> R
         for informer, _ in informers:
             await informer.has_synced()
         cpu0 = _controller_cpu(sim)
+        kinds0 = await asyncio.to_thread(cpu_by_kind, sim)
         requests0 = await asyncio.to_thread(apiserver_requests, sim)
         progress.t0 = time.monotonic()
         created = await client.create(COMPUTE_DOMAINS, cd_body)
@@ -175,6 +227,9 @@ async def one_round(sim: SimCluster, index: int, nodes: int, within: float) -> R
         await wait_for(lambda: "CD Ready" in progress.at and "workers Running" in progress.at, within,
                        f"a {nodes}-node domain Ready and its {nodes} workers Running", interval=0.1)  # fmt: skip
         cpu1 = _controller_cpu(sim)
+        # Processes that started during the round count from 0; those that ended during it are missing.
+        kinds1 = await asyncio.to_thread(cpu_by_kind, sim)
+        progress.cpu = Counter({k: v - kinds0.get(k, 0.0) for k, v in kinds1.items() if v - kinds0.get(k, 0.0) > 0})
         if cpu0 is not None and cpu1 is not None and cpu0[0] == cpu1[0]:  # a restarted controller: no figure
             progress.at["controller cpu"] = cpu1[1] - cpu0[1]
         elif cpu0 is not None:
@@ -238,6 +293,8 @@ async def run(bench: Bench) -> None:
     conflicts = section.figure(Figure("clique-conflicts", "clique object writes refused (409 Conflict) per accepted write",
                                       unit="x", simulated="daemons hosted 18 to a process on 2 shared cores"))  # fmt: skip
     api = section.figure(Figure("api-requests", "apiserver requests during the round (all clients)", unit="requests"))
+    cpu = section.figure(Figure("round-cpu", "CPU of the bring-up's processes over the round (control plane, test bed, product)",
+                                unit="CPU s", simulated="2 cores, shared with whatever else runs"))  # fmt: skip
     for logger in TESTBED_LOGGERS:  # the test bed's INFO record goes to its log file, not to this output
         logging.getLogger(logger).setLevel(logging.INFO)
         logging.getLogger(logger).propagate = False
@@ -278,6 +335,8 @@ async def run(bench: Bench) -> None:
             for (verb, res, code), n in req.items():
                 top[f"{verb} {res}{'' if code.startswith('2') else f' ({code})'}"] += n
             api.note = "most frequent, last round: " + ", ".join(f"{k}={v}" for k, v in top.most_common(8))
+            cpu.round([sum(got.cpu.values())])
+            cpu.note = "by process, last round: " + ", ".join(f"{k} {v:.1f}" for k, v in got.cpu.most_common())
             series = Series(f"convergence-{index + 1}", f"round {index + 1}: {label} converging", "count",
                             target_x=30.0, target_text="SPEC 9: workers Running < 30 s", simulated=sim_text)  # fmt: skip
             series.curves = got.curves
