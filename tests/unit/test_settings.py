@@ -205,7 +205,7 @@ def test_plugin_pod_ip(pod_ip: str) -> None:
 
 def test_tunables_default_to_the_values_the_code_had() -> None:
     controller = load_settings(ControllerSettings, environ={})
-    assert (controller.workers, controller.sweep_period) == (32, 600.0)
+    assert (controller.workers, controller.sweep_period) == (100, 600.0)
     assert (controller.retry_backoff_initial, controller.retry_backoff_max) == (0.005, 300.0)
     assert (controller.kube_api_timeout, controller.retry_warn_after, controller.stuck_recheck_period) == (10, 5, 300)
     plugin = load_settings(PluginSettings, environ=NODE)
