@@ -4,7 +4,8 @@ Kubernetes-independent building blocks: `grpc_server` (kubelet-facing sockets, t
 `preparer` (the version-free request/result contract), `checkpoint` (crash-safe node-local state),
 `cdi` (per-claim CDI specs), `opaque` (which config applies to which allocated device), and Prepare itself,
 one unit per job, read in this order: `collaborators`, `failures`, `claim_plan`, `side_effects`, `budget`,
-`prepare` (its docstring is the map). Generated protobuf modules live in `proto/`.
+`prepare` (its docstring is the map). The kubelet's wire contract (`.proto` files and the generated modules
+the tests compare with) lives in `proto/`; the agent speaks it through `kubelet_api` and `wire`.
 
 The agent around them: `claims`, `domains` (CD cache, watch-driven daemon readiness), `node_labels`,
 `resourceslice`, `clique_label`, `cleanup`, and `app` (the process, `python -m computedomain kubelet-plugin`).

@@ -16,10 +16,10 @@ Owns three asyncio gRPC servers and the socket files they listen on:
 
 This is the only module of the package that imports a gRPC library: grpclib (pure Python on `h2`, a few
 MiB where grpcio's core costs the agent ~11 MiB and seven threads). What grpclib leaves to its user is done
-here: a request's declared length is checked before it is read (`MAX_MESSAGE_BYTES`), `grpc.health.v1` is
-served from descriptors of our own (`health_v1`), and `stop(grace_s)` drains as grpcio's did: new calls get
-UNAVAILABLE, calls in flight get the grace period, then are cancelled and told UNAVAILABLE. Method tables
-come from the generated `*_pb2` service descriptors, so the wire names are the protos'. Everything runs on
+here: a request's declared length is checked before it is read (`MAX_MESSAGE_BYTES`), and `stop(grace_s)` drains as grpcio's
+did: new calls get UNAVAILABLE, calls in flight get the grace period, then are cancelled and told
+UNAVAILABLE. Messages and method tables are `kubelet_api`'s, encoded by `wire` (grpclib's `codec=`), not the
+protobuf runtime, which the agent does not load. Everything runs on
 the caller's event loop; servicer methods never block it (the Preparer is async). Start order is DRA first, registration second,
 so the kubelet never learns an endpoint that is not listening yet; stale socket files from a previous run
 are removed before listening and again after stopping.
@@ -34,17 +34,15 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Final
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from google.protobuf.message import DecodeError
 from grpclib.client import Channel, UnaryUnaryMethod
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server, Stream
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
+from computedomain.plugin import kubelet_api as api
 from computedomain.plugin.health import HealthReports
 from computedomain.plugin.preparer import (
     ClaimRef,
@@ -55,14 +53,7 @@ from computedomain.plugin.preparer import (
     UnprepareResult,
     strip_subrequest,
 )
-from computedomain.plugin.proto import (
-    dra_health_v1alpha1_pb2,
-    dra_v1_pb2,
-    dra_v1beta1_pb2,
-    pluginregistration_v1_pb2,
-)
-
-_dra_health: Any = dra_health_v1alpha1_pb2
+from computedomain.plugin.wire import CODEC, Message, WireError
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +164,7 @@ class _Calls:
         return not self.running
 
 
-async def _receive(stream: Stream[Any, Any], message_type: Any) -> Any:
+async def _receive(stream: Stream[Any, Any], message_type: type[Message]) -> Any:
     """The request message, bounded: grpclib's own `recv_message` buffers whatever length the peer declares,
     and the health port is reachable from the pod network."""
     h2: Any = stream._stream  # grpclib.protocol.Stream: the only way to read the length prefix first
@@ -186,9 +177,9 @@ async def _receive(stream: Stream[Any, Any], message_type: Any) -> Any:
     if size > MAX_MESSAGE_BYTES:
         raise GRPCError(Status.RESOURCE_EXHAUSTED, f"received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})")
     try:
-        return message_type.FromString(await h2.recv_data(size))
-    except DecodeError as exc:
-        raise GRPCError(Status.INTERNAL, f"the request is not a {message_type.DESCRIPTOR.full_name}: {exc}") from exc
+        return message_type.decode(await h2.recv_data(size))
+    except WireError as exc:
+        raise GRPCError(Status.INTERNAL, f"the request is not a {message_type.FULL_NAME}: {exc}") from exc
 
 
 @contextlib.asynccontextmanager
@@ -206,14 +197,13 @@ async def _told_when_stopped(calls: _Calls, stream: Stream[Any, Any]) -> AsyncIt
         raise
 
 
-def _mapping(calls: _Calls, pb2: Any, service: str, servicer: object) -> dict[str, Handler]:
-    """grpclib's method table for `service` of the generated module `pb2`, served by `servicer`'s methods of
-    the same names: `async def M(request) -> reply`, or an async generator of replies for a server stream."""
+def _mapping(calls: _Calls, service: api.Service, servicer: object) -> dict[str, Handler]:
+    """grpclib's method table for `service`, served by `servicer`'s methods of the same names:
+    `async def M(request) -> reply`, or an async generator of replies for a server stream."""
     table: dict[str, Handler] = {}
-    for method in pb2.DESCRIPTOR.services_by_name[service].methods:
-        request_type = getattr(pb2, method.input_type.name)
-        reply_type = getattr(pb2, method.output_type.name)
+    for method in service.methods:
         impl = getattr(servicer, method.name)
+        request_type = method.request
         if method.server_streaming:
 
             async def serve(stream: Stream[Any, Any], impl: Any = impl, request_type: Any = request_type) -> None:
@@ -233,9 +223,7 @@ def _mapping(calls: _Calls, pb2: Any, service: str, servicer: object) -> dict[st
                     await stream.send_message(reply)
 
             cardinality = Cardinality.UNARY_UNARY
-        table[f"/{method.containing_service.full_name}/{method.name}"] = Handler(
-            serve, cardinality, request_type, reply_type
-        )
+        table[service.path(method.name)] = Handler(serve, cardinality, request_type, method.reply)
     return table
 
 
@@ -249,97 +237,33 @@ class _Servable:
         return self.table
 
 
-def _health_messages() -> Any:
-    """The `grpc.health.v1` messages, in a descriptor pool of their own: the test bed's grpc health client
-    registers the same names in the default pool, and one process may hold both."""
-    field = descriptor_pb2.FieldDescriptorProto
-    proto = descriptor_pb2.FileDescriptorProto(name="grpc/health/v1/health.proto", package="grpc.health.v1")
-    proto.syntax = "proto3"
-    request = proto.message_type.add(name="HealthCheckRequest")
-    request.field.add(name="service", number=1, label=field.LABEL_OPTIONAL, type=field.TYPE_STRING)
-    response = proto.message_type.add(name="HealthCheckResponse")
-    response.field.add(
-        name="status",
-        number=1,
-        label=field.LABEL_OPTIONAL,
-        type=field.TYPE_ENUM,
-        type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus",
-    )
-    statuses = response.enum_type.add(name="ServingStatus")
-    for number, name in enumerate(("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")):
-        statuses.value.add(name=name, number=number)
-    proto.message_type.add(name="HealthListRequest")
-    listing = proto.message_type.add(name="HealthListResponse")
-    listing.field.add(
-        name="statuses",
-        number=1,
-        label=field.LABEL_REPEATED,
-        type=field.TYPE_MESSAGE,
-        type_name=".grpc.health.v1.HealthListResponse.StatusesEntry",
-    )
-    entry = listing.nested_type.add(name="StatusesEntry")
-    entry.field.add(name="key", number=1, label=field.LABEL_OPTIONAL, type=field.TYPE_STRING)
-    entry.field.add(
-        name="value",
-        number=2,
-        label=field.LABEL_OPTIONAL,
-        type=field.TYPE_MESSAGE,
-        type_name=".grpc.health.v1.HealthCheckResponse",
-    )
-    entry.options.map_entry = True
-    service = proto.service.add(name="Health")
-    prefix = ".grpc.health.v1."
-    service.method.add(
-        name="Check", input_type=prefix + "HealthCheckRequest", output_type=prefix + "HealthCheckResponse"
-    )
-    service.method.add(name="List", input_type=prefix + "HealthListRequest", output_type=prefix + "HealthListResponse")
-    service.method.add(
-        name="Watch",
-        input_type=prefix + "HealthCheckRequest",
-        output_type=prefix + "HealthCheckResponse",
-        server_streaming=True,
-    )
-    pool = descriptor_pool.DescriptorPool()
-    classes = message_factory.GetMessages([proto], pool=pool)
-    return _HealthModule(pool.FindFileByName(proto.name), classes)
-
-
-class _HealthModule:
-    """Looks like a generated `*_pb2` module to `_mapping`: DESCRIPTOR and the message classes by name."""
-
-    def __init__(self, descriptor: Any, classes: Mapping[str, Any]) -> None:
-        self.DESCRIPTOR = descriptor
-        for full_name, cls in classes.items():
-            setattr(self, full_name.rsplit(".", 1)[-1], cls)
-
-
-health_v1: Any = _health_messages()
-SERVING: Final = 1
-NOT_SERVING: Final = 2
+SERVING: Final = api.SERVING
+NOT_SERVING: Final = api.NOT_SERVING
 
 
 # --- DRA node service ------------------------------------------------------------------------------------
 
 
 class _DraService:
-    """One servicer object for both DRA wire versions; `pb2` selects the message classes."""
+    """One servicer object per DRA wire version (they share the message classes; v1beta1 has no share_id)."""
 
-    def __init__(self, pb2: ModuleType, preparer: Preparer, version: str, *, carries_share_id: bool) -> None:
-        self._pb2 = pb2
+    def __init__(self, preparer: Preparer, version: str, *, carries_share_id: bool) -> None:
         self._preparer = preparer
         self._version = version
         self._carries_share_id = carries_share_id
 
     @staticmethod
-    def _claims(request: Any) -> list[ClaimRef]:
+    def _claims(request: api.NodePrepareResourcesRequest | api.NodeUnprepareResourcesRequest) -> list[ClaimRef]:
         seen: dict[str, ClaimRef] = {}
         for claim in request.claims:
             seen.setdefault(claim.uid, ClaimRef(claim.namespace, claim.name, ClaimUid(claim.uid)))
         return list(seen.values())
 
-    async def NodePrepareResources(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def NodePrepareResources(  # noqa: N802 (gRPC name)
+        self, request: api.NodePrepareResourcesRequest
+    ) -> api.NodePrepareResourcesResponse:
         claims = self._claims(request)
-        response = self._pb2.NodePrepareResourcesResponse()
+        response = api.NodePrepareResourcesResponse()
         if not claims:
             return response
         log.debug("NodePrepareResources version=%s claims=%s", self._version, ",".join(map(str, claims)))
@@ -353,22 +277,26 @@ class _DraService:
             if result is None:
                 log.info("prepare not finished; the kubelet will retry claim=%s", claim)
                 continue
-            entry = response.claims[claim.uid]
-            entry.error = result.error
-            for device in result.devices:
-                out = entry.devices.add(
-                    request_names=[strip_subrequest(n) for n in device.request_names],
-                    pool_name=device.pool_name,
-                    device_name=device.device_name,
-                    cdi_device_ids=list(device.cdi_device_ids),
-                )
-                if self._carries_share_id and device.share_id is not None:
-                    out.share_id = device.share_id
+            response.claims[claim.uid] = api.NodePrepareResourceResponse(
+                devices=[
+                    api.Device(
+                        request_names=[strip_subrequest(n) for n in device.request_names],
+                        pool_name=device.pool_name,
+                        device_name=device.device_name,
+                        cdi_device_ids=list(device.cdi_device_ids),
+                        share_id=device.share_id if self._carries_share_id else None,
+                    )
+                    for device in result.devices
+                ],
+                error=result.error,
+            )
         return response
 
-    async def NodeUnprepareResources(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def NodeUnprepareResources(  # noqa: N802 (gRPC name)
+        self, request: api.NodeUnprepareResourcesRequest
+    ) -> api.NodeUnprepareResourcesResponse:
         claims = self._claims(request)
-        response = self._pb2.NodeUnprepareResourcesResponse()
+        response = api.NodeUnprepareResourcesResponse()
         if not claims:
             return response
         log.debug("NodeUnprepareResources version=%s claims=%s", self._version, ",".join(map(str, claims)))
@@ -382,7 +310,7 @@ class _DraService:
             if result is None:
                 log.info("unprepare not finished; the kubelet will retry claim=%s", claim)
                 continue
-            response.claims[claim.uid].error = result.error
+            response.claims[claim.uid] = api.NodeUnprepareResourceResponse(error=result.error)
         return response
 
 
@@ -392,13 +320,15 @@ class _ResourceHealthService:
     def __init__(self, reports: HealthReports) -> None:
         self._reports = reports
 
-    async def NodeWatchResources(self, request: Any) -> AsyncIterator[Any]:  # noqa: N802 (gRPC name)
+    async def NodeWatchResources(  # noqa: N802 (gRPC name)
+        self, request: api.NodeWatchResourcesRequest
+    ) -> AsyncIterator[api.NodeWatchResourcesResponse]:
         log.debug("kubelet opened the device health stream devices=%s", ",".join(self._reports.devices))
         async for at, devices in self._reports.stream():
-            yield _dra_health.NodeWatchResourcesResponse(
+            yield api.NodeWatchResourcesResponse(
                 devices=[
-                    _dra_health.DeviceHealth(
-                        device=_dra_health.DeviceIdentifier(pool_name=self._reports.pool, device_name=d.device),
+                    api.DeviceHealth(
+                        device=api.DeviceIdentifier(pool_name=self._reports.pool, device_name=d.device),
                         health=int(d.health),
                         last_updated_time=int(at),
                         health_check_timeout_seconds=self._reports.timeout_s,
@@ -414,7 +344,7 @@ class _ResourceHealthService:
 
 class _RegistrationService:
     def __init__(self, driver_name: str, endpoint: Path, on_status: Any) -> None:
-        self._info = pluginregistration_v1_pb2.PluginInfo(
+        self._info = api.PluginInfo(
             type=PLUGIN_TYPE,
             name=driver_name,
             endpoint=str(endpoint),
@@ -422,12 +352,14 @@ class _RegistrationService:
         )
         self._on_status = on_status
 
-    async def GetInfo(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def GetInfo(self, request: api.InfoRequest) -> api.PluginInfo:  # noqa: N802 (gRPC name)
         return self._info
 
-    async def NotifyRegistrationStatus(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def NotifyRegistrationStatus(  # noqa: N802 (gRPC name)
+        self, request: api.RegistrationStatus
+    ) -> api.RegistrationStatusResponse:
         self._on_status(RegistrationStatus(registered=request.plugin_registered, error=request.error))
-        return pluginregistration_v1_pb2.RegistrationStatusResponse()
+        return api.RegistrationStatusResponse()
 
 
 # --- health ------------------------------------------------------------------------------------------------
@@ -438,7 +370,7 @@ class _HealthService:
         self._self_check = self_check
         self._readiness = readiness
 
-    async def _status(self, service: str) -> Any:
+    async def _status(self, service: str) -> int:
         problem = await self._self_check()
         if problem:
             log.warning("health check failed: %s", problem)
@@ -447,18 +379,18 @@ class _HealthService:
             return NOT_SERVING  # the agent logged why when it happened
         return SERVING
 
-    async def Check(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def Check(self, request: api.HealthCheckRequest) -> api.HealthCheckResponse:  # noqa: N802 (gRPC name)
         if request.service not in HEALTH_SERVICES | {READINESS_SERVICE}:
             raise GRPCError(Status.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_v1.HealthCheckResponse(status=await self._status(request.service))
+        return api.HealthCheckResponse(status=await self._status(request.service))
 
-    async def List(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
+    async def List(self, request: api.HealthListRequest) -> api.HealthListResponse:  # noqa: N802 (gRPC name)
         statuses = {name: await self._status(name) for name in (*sorted(HEALTH_SERVICES), READINESS_SERVICE)}
-        return health_v1.HealthListResponse(
-            statuses={name: health_v1.HealthCheckResponse(status=s) for name, s in statuses.items()}
+        return api.HealthListResponse(
+            statuses={name: api.HealthCheckResponse(status=s) for name, s in statuses.items()}
         )
 
-    async def Watch(self, request: Any) -> AsyncIterator[Any]:  # noqa: N802 (gRPC name)
+    async def Watch(self, request: api.HealthCheckRequest) -> AsyncIterator[api.HealthCheckResponse]:  # noqa: N802
         raise GRPCError(Status.UNIMPLEMENTED, "Watch is not served; poll Check")
         yield  # an async generator, as a server stream's method is
 
@@ -508,22 +440,14 @@ class PluginServer:
             raise RuntimeError("PluginServer already started")
         calls = self._calls
         dra = _Servable(
-            _mapping(
-                calls, dra_v1_pb2, "DRAPlugin", _DraService(dra_v1_pb2, self._preparer, "v1", carries_share_id=True)
-            )
-            | _mapping(
-                calls,
-                dra_v1beta1_pb2,
-                "DRAPlugin",
-                _DraService(dra_v1beta1_pb2, self._preparer, "v1beta1", carries_share_id=False),
-            )
-            | _mapping(calls, _dra_health, "DRAResourceHealth", _ResourceHealthService(self.device_health))
+            _mapping(calls, api.DRA_V1, _DraService(self._preparer, "v1", carries_share_id=True))
+            | _mapping(calls, api.DRA_V1BETA1, _DraService(self._preparer, "v1beta1", carries_share_id=False))
+            | _mapping(calls, api.DRA_HEALTH, _ResourceHealthService(self.device_health))
         )
         registration = _Servable(
             _mapping(
                 calls,
-                pluginregistration_v1_pb2,
-                "Registration",
+                api.REGISTRATION,
                 _RegistrationService(self.driver_name, self.paths.dra, self._record_registration),
             )
         )
@@ -533,10 +457,8 @@ class PluginServer:
             if self._health_port_wanted is not None:
                 listener = _tcp_listener(self._health_host, self._health_port_wanted)
                 self.health_port = int(listener.getsockname()[1])
-                health = _Servable(
-                    _mapping(calls, health_v1, "Health", _HealthService(self.self_check, self._readiness))
-                )
-                server = Server([health])
+                health = _Servable(_mapping(calls, api.GRPC_HEALTH, _HealthService(self.self_check, self._readiness)))
+                server = Server([health], codec=CODEC)
                 await server.start(sock=listener)
                 self._servers["health"] = server
         except BaseException:
@@ -581,7 +503,7 @@ class PluginServer:
     async def _start_unix(self, name: str, path: Path, servable: _Servable) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_socket(path)
-        server = Server([servable])
+        server = Server([servable], codec=CODEC)
         await server.start(path=str(path))
         self._servers[name] = server
 
@@ -606,21 +528,19 @@ class PluginServer:
         """Dial our own sockets by path like the kubelet does. Returns None when healthy, else why not."""
         deadline = self._self_check_timeout_s
         try:
-            channel = Channel(path=str(self.paths.registration))
+            channel = Channel(path=str(self.paths.registration), codec=CODEC)
             try:
-                info = await _unary(channel, pluginregistration_v1_pb2, "Registration", "GetInfo")(
-                    pluginregistration_v1_pb2.InfoRequest(), timeout=deadline
-                )
+                info = await _unary(channel, api.REGISTRATION, "GetInfo")(api.InfoRequest(), timeout=deadline)
             finally:
                 channel.close()
             if info.name != self.driver_name or info.endpoint != str(self.paths.dra):
                 where = self.paths.registration
                 return f"registration socket {where} answers for {info.name} at {info.endpoint}"
-            channel = Channel(path=str(self.paths.dra))
+            channel = Channel(path=str(self.paths.dra), codec=CODEC)
             try:
-                for pb2 in (dra_v1_pb2, dra_v1beta1_pb2):
-                    await _unary(channel, pb2, "DRAPlugin", "NodePrepareResources")(
-                        pb2.NodePrepareResourcesRequest(), timeout=deadline
+                for service in (api.DRA_V1, api.DRA_V1BETA1):
+                    await _unary(channel, service, "NodePrepareResources")(
+                        api.NodePrepareResourcesRequest(), timeout=deadline
                     )
             finally:
                 channel.close()
@@ -631,14 +551,9 @@ class PluginServer:
         return None
 
 
-def _unary(channel: Channel, pb2: Any, service: str, method: str) -> UnaryUnaryMethod[Any, Any]:
-    described = pb2.DESCRIPTOR.services_by_name[service].methods_by_name[method]
-    return UnaryUnaryMethod(
-        channel,
-        f"/{described.containing_service.full_name}/{method}",
-        getattr(pb2, described.input_type.name),
-        getattr(pb2, described.output_type.name),
-    )
+def _unary(channel: Channel, service: api.Service, method: str) -> UnaryUnaryMethod[Any, Any]:
+    described = service.method(method)
+    return UnaryUnaryMethod(channel, service.path(method), described.request, described.reply)
 
 
 def _tcp_listener(host: str, port: int) -> socket.socket:

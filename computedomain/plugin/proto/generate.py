@@ -1,8 +1,10 @@
 """Regenerates the Python protobuf modules from the .proto files in this folder.
 
-Only the messages are generated (``*_pb2.py`` and their ``.pyi`` stubs): the node agent's gRPC server
-(``computedomain.plugin.grpc_server``, on grpclib) builds its method tables from the service descriptors in
-them, so no generated service glue is needed.
+Only the messages are generated (``*_pb2.py`` and their ``.pyi`` stubs). The node agent never imports them:
+it speaks these messages with its own codec (``computedomain.plugin.wire``, messages in
+``computedomain.plugin.kubelet_api``), and protobuf is a test dependency. The generated modules are the
+tests' oracle for that codec (``tests/unit/plugin/test_wire.py``) and the test bed's kubelet stand-in's
+messages; ``tests/unit/plugin/test_proto_wire.py`` checks them against the kubelet's own protos.
 
 Run from anywhere: ``.venv/bin/python computedomain/plugin/proto/generate.py``. The output is
 checked in; ``tests/unit/plugin/test_proto_wire.py`` fails when it is stale. Paths are given to

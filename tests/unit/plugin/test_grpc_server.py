@@ -347,22 +347,6 @@ def test_kubelet_stand_in_rejects_bad_plugin_info() -> None:
 # --- what the server library leaves to us: bounded requests, the health contract, graceful stop, deadlines
 
 
-def test_health_messages_are_grpcs_own() -> None:
-    # Our grpc.health.v1 lives in a pool of its own; it must be wire-identical to grpc's published one.
-    from google.protobuf import descriptor_pb2
-
-    from computedomain.plugin.grpc_server import health_v1
-
-    ours, theirs = descriptor_pb2.FileDescriptorProto(), descriptor_pb2.FileDescriptorProto()
-    health_v1.DESCRIPTOR.CopyToProto(ours)
-    health_pb2.DESCRIPTOR.CopyToProto(theirs)
-    for proto in (ours, theirs):
-        proto.ClearField("name")
-        proto.ClearField("options")
-        proto.ClearField("syntax")
-    assert ours == theirs
-
-
 async def test_health_list(server: PluginServer) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
         reply = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10)
