@@ -32,9 +32,15 @@ FROM python:3.11-slim-bookworm
 RUN groupadd --gid 65532 computedomain \
  && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin computedomain
 COPY --from=build /opt/venv /opt/venv
+# Memory paid on every node (docs/design/0007): without PYDANTIC_DISABLE_PLUGINS the model library scans
+# every installed package's metadata for plugins at its first model (we use none), and glibc would give each
+# thread that allocates (asyncio.to_thread) an arena of its own; these processes allocate almost only on the
+# event loop's thread, so one arena serves them.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYDANTIC_DISABLE_PLUGINS=__all__ \
+    MALLOC_ARENA_MAX=1
 LABEL org.opencontainers.image.title="computedomain" \
       org.opencontainers.image.description="ComputeDomain controller, DRA node agent and IMEX daemon" \
       org.opencontainers.image.licenses="Apache-2.0"
