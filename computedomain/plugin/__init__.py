@@ -1,6 +1,6 @@
 """The node agent: the DRA kubelet plugin of driver `compute-domain.nvidia.com` (design: docs/design/0007).
 
-Kubernetes-independent building blocks: `grpc_server` (kubelet-facing sockets, the only grpc user),
+Kubernetes-independent building blocks: `grpc_server` (kubelet-facing sockets, on grpclib and `wire`),
 `preparer` (the version-free request/result contract), `checkpoint` (crash-safe node-local state),
 `cdi` (per-claim CDI specs), `opaque` (which config applies to which allocated device), and Prepare itself,
 one unit per job, read in this order: `collaborators`, `failures`, `claim_plan`, `side_effects`, `budget`,

@@ -14,15 +14,15 @@ Owns three asyncio gRPC servers and the socket files they listen on:
   wedged server turns into NOT_SERVING; and `readiness`, which is also NOT_SERVING while the agent reports a
   problem (a cache whose list or watch the apiserver refuses: the log line names the verb and resource).
 
-This is the only module of the package that imports a gRPC library: grpclib (pure Python on `h2`, a few
-MiB where grpcio's core costs the agent ~11 MiB and seven threads). What grpclib leaves to its user is done
-here: a request's declared length is checked before it is read (`MAX_MESSAGE_BYTES`), and `stop(grace_s)` drains as grpcio's
-did: new calls get UNAVAILABLE, calls in flight get the grace period, then are cancelled and told
-UNAVAILABLE. Messages and method tables are `kubelet_api`'s, encoded by `wire` (grpclib's `codec=`), not the
-protobuf runtime, which the agent does not load. Everything runs on
-the caller's event loop; servicer methods never block it (the Preparer is async). Start order is DRA first, registration second,
-so the kubelet never learns an endpoint that is not listening yet; stale socket files from a previous run
-are removed before listening and again after stopping.
+The gRPC library is grpclib (pure Python on `h2`, a few MiB where grpcio's core costs the agent ~11 MiB and
+seven threads); only this module and `wire` (its codec) import it. Messages and method tables are
+`kubelet_api`'s, encoded by `wire` (grpclib's `codec=`): the agent does not load the protobuf runtime. What
+grpclib leaves to its user is done here: a request's declared length is checked before it is read
+(`MAX_MESSAGE_BYTES`), and `stop(grace_s)` drains as grpcio's did: new calls get UNAVAILABLE, calls in flight
+get the grace period, then are cancelled and told UNAVAILABLE. Everything runs on the caller's event loop;
+servicer methods never block it (the Preparer is async). Start order is DRA first, registration second, so
+the kubelet never learns an endpoint that is not listening yet; stale socket files from a previous run are
+removed before listening and again after stopping.
 """
 
 from __future__ import annotations
