@@ -68,12 +68,14 @@ from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.health import HealthReports, HostState
 from computedomain.plugin.metrics import Instrumented, NodeState, watch_node
 from computedomain.plugin.node_labels import NodeLabels
+from computedomain.plugin.nvml_child import ChildNvmlSource
 from computedomain.plugin.prepare import Preparer, PreparerConfig
 from computedomain.plugin.resourceslice import SlicePublisher, published_devices
 from computedomain.settings import FeatureGate, PluginSettings
-from imex.discovery import HardwareDiscovery, HardwareError, check_driver_for_dns_names
+from imex.discovery import Discovery, HardwareDiscovery, HardwareError, check_driver_for_dns_names
 from imex.host_check import HostCheckError, check_host_imex_ready
 from imex.nvml import nvml_discovery
+from imex.procfs import ProcFS
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,15 @@ class StartupError(Exception):
     """Start-up cannot continue; the message is the one line the operator sees."""
 
 
-def make_discovery(settings: PluginSettings) -> HardwareDiscovery:
-    """NVML from the driver root, the driver's facts from PROC_ROOT."""
+def make_discovery(settings: PluginSettings, *, nvml_in_child: bool = False) -> HardwareDiscovery:
+    """NVML from the driver root, the driver's facts from PROC_ROOT. nvml_in_child: each NVML read in a child
+    process (`nvml_child`), so that pynvml never loads into this one."""
+    if nvml_in_child:
+        proc_root = Path(settings.proc_root)
+        return Discovery(
+            ChildNvmlSource(Path(settings.driver_root_mount)),
+            ProcFS(proc_root.parent, devices_path=proc_root / "devices"),
+        )
     return nvml_discovery(Path(settings.driver_root_mount), proc_root=Path(settings.proc_root))
 
 
@@ -367,10 +376,11 @@ async def _logged(name: str, make: Callable[[], Any]) -> None:
         raise
 
 
-async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
+async def serve(settings: PluginSettings, stop: asyncio.Event, *, nvml_in_child: bool = False) -> int:
     """The node agent until `stop` is set: 0 then, 1 when start-up or a background task fails (a start-up
     failure is one `error: ...` line on stderr). Installs no signal handlers: the caller owns `stop`
-    (`main`: SIGTERM/SIGINT; the test bed's pod host: the container's stop)."""
+    (`main`: SIGTERM/SIGINT; the test bed's pod host: the container's stop). nvml_in_child: see
+    `make_discovery` (the agent's own process: yes; agents hosted several to a process: no)."""
     client = await KubeClient.for_component(settings, field_manager=COMPONENT)
     http: HttpServer | None = None
     try:
@@ -379,7 +389,7 @@ async def serve(settings: PluginSettings, stop: asyncio.Event) -> int:
         except UnsupportedServerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        agent = NodeAgent(settings, client, make_discovery(settings))
+        agent = NodeAgent(settings, client, make_discovery(settings, nvml_in_child=nvml_in_child))
         try:
             await asyncio.to_thread(agent.prepare_startup)
             if settings.http_endpoint:
@@ -415,4 +425,4 @@ async def main(settings: PluginSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await serve(settings, stop)
+    return await serve(settings, stop, nvml_in_child=True)
