@@ -150,31 +150,53 @@ def test_daemon_claims_policy_in_both_modes() -> None:
         assert DAEMON_DEVICE_CLASS in condition["expression"] and "ComputeDomainDaemonConfig" in condition["expression"]
 
 
+DAEMON_NAMESPACES = ["nvidia-compute-domain", "old-driver"]
+
+
 def test_daemon_identity_policy_covers_every_write_the_daemon_is_granted(default: Rendered) -> None:
-    policy = admission_policy(render("additionalNamespaces={old-driver}"), "daemon-identity")
+    rendered = render("additionalNamespaces={old-driver}")
+    # One set of checks, bound twice: pods and cliques in the daemons' namespaces, domains in every namespace.
+    policy = admission_policy(rendered, "daemon-identity")
+    status = admission_policy(rendered, "daemon-identity-status")
+    assert {k: v for k, v in policy["spec"].items() if k != "matchConstraints"} == {
+        k: v for k, v in status["spec"].items() if k != "matchConstraints"
+    }
     (condition,) = policy["spec"]["matchConditions"]
     for ns in ("nvidia-compute-domain", "old-driver"):
         assert f"system:serviceaccount:{ns}:compute-domain-daemon-service-account" in condition["expression"]
-    matched = {
-        (group, resource, op)
-        for rule in policy["spec"]["matchConstraints"]["resourceRules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for op in rule["operations"]
-    }
+
+    def matched(p: dict[str, Any], namespace: str | None) -> set[tuple[str, str, str]]:
+        """What `p` matches of writes in `namespace` (None: in any namespace)."""
+        selector = p["spec"]["matchConstraints"].get("namespaceSelector")
+        if selector is not None:
+            assert selector == {
+                "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": DAEMON_NAMESPACES}]
+            }
+            if namespace is None or namespace not in DAEMON_NAMESPACES:
+                return set()
+        return {
+            (group, resource, op)
+            for rule in p["spec"]["matchConstraints"]["resourceRules"]
+            for group in rule["apiGroups"]
+            for resource in rule["resources"]
+            for op in rule["operations"]
+        }
+
     verb_to_op = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete": "DELETE"}
-    legacy = render("featureGates.ComputeDomainCliques=false")
-    for r in (default, legacy):
+    legacy = render("additionalNamespaces={old-driver}", "featureGates.ComputeDomainCliques=false")
+    for r in (rendered, legacy):
         for kind in ("Role", "ClusterRole"):
             for role in r.all(kind):
                 if role["metadata"]["labels"].get("app.kubernetes.io/component") != "daemon":
                     continue
+                namespace = role["metadata"].get("namespace") if kind == "Role" else None
+                covered = matched(policy, namespace) | matched(status, namespace)
                 for rule in role["rules"]:
                     for group in rule["apiGroups"]:
                         for resource in rule["resources"]:
                             for verb in rule["verbs"]:
                                 if verb in verb_to_op:
-                                    assert (group, resource, verb_to_op[verb]) in matched, (resource, verb)
+                                    assert (group, resource, verb_to_op[verb]) in covered, (namespace, resource, verb)
     variables = policy_variables(policy)
     # The domain comes from the pod name the DaemonSet gives its pods: computedomain-daemon-<uid>-xxxxx.
     assert "computedomain-daemon-" in variables["domain"] and "substring(21, 57)" in variables["domain"]
