@@ -644,8 +644,13 @@ class KubeClient:
 
     # ---- writes --------------------------------------------------------------------------------------
 
-    def _write_query(self) -> Query:
-        return [("fieldManager", self.config.field_manager)]
+    def _deadline(self) -> tuple[str, str]:
+        """The apiserver's deadline for a write, equal to ours: the server stops work we gave up on (a
+        contended server-side apply is re-run inside the apiserver until it wins or the deadline passes)."""
+        return ("timeout", f"{max(1, round(self.config.timeout * 1000))}ms")
+
+    def _write_query(self, field_manager: str | None = None) -> Query:
+        return [("fieldManager", field_manager or self.config.field_manager), self._deadline()]
 
     async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
         """POST a new object; ``AlreadyExists`` if the name is taken (also after a retried lost response)."""
@@ -740,7 +745,7 @@ class KubeClient:
         ``force``; a ``metadata.resourceVersion`` in ``body`` makes the apply conditional on it.
         """
         name, ns = _name_ns(resource, body, namespace)
-        query: Query = [("fieldManager", field_manager or self.config.field_manager)]
+        query = self._write_query(field_manager)
         if force:
             query.append(("force", "true"))
         return await self._call(
@@ -777,7 +782,9 @@ class KubeClient:
             options["propagationPolicy"] = propagation_policy
         if grace_period_seconds is not None:
             options["gracePeriodSeconds"] = grace_period_seconds
-        return await self._call("DELETE", resource, verb="delete", namespace=namespace, name=name, body=options)
+        return await self._call(
+            "DELETE", resource, verb="delete", namespace=namespace, name=name, query=[self._deadline()], body=options
+        )
 
     # ---- watch ---------------------------------------------------------------------------------------
 

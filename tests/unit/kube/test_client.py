@@ -60,17 +60,18 @@ async def test_paths_queries_and_content_types(api: tuple[FakeServer, KubeClient
     path, _, query = methods[1][1].partition("?")
     assert path == "/apis/resource.nvidia.com/v1beta1/computedomains"
     assert parse_qs(query) == {"labelSelector": ["a=b,c in (d)"], "limit": ["10"]}
-    assert methods[2] == ("PATCH", "/api/v1/nodes/n1?fieldManager=computedomain")
+    # Every write carries the apiserver's deadline: the client's per-request timeout (10 s by default).
+    assert methods[2] == ("PATCH", "/api/v1/nodes/n1?fieldManager=computedomain&timeout=10000ms")
     assert fake.requests[2].headers["content-type"] == "application/merge-patch+json"
     assert json.loads(fake.requests[2].body) == {"metadata": {"labels": {"x": None}}}
     assert methods[3] == (
         "PUT",
-        "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains/cd/status?fieldManager=computedomain",
+        "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains/cd/status?fieldManager=computedomain&timeout=10000ms",
     )
     # compact JSON: the apiserver keeps embedded raw fields byte for byte
     assert fake.requests[3].headers["content-type"] == "application/json"
     assert fake.requests[3].body == b'{"metadata":{"name":"cd","namespace":"ns"}}'
-    assert methods[4] == ("DELETE", "/api/v1/namespaces/ns/pods/p")
+    assert methods[4] == ("DELETE", "/api/v1/namespaces/ns/pods/p?timeout=10000ms")
     assert json.loads(fake.requests[4].body)["preconditions"] == {"uid": "u1"}
     # one keep-alive connection carried all five
     assert fake.connections == 1
@@ -211,3 +212,16 @@ async def test_requests_in_flight_are_bounded_and_the_rest_wait_their_turn() -> 
             assert len(fake.requests) == 10
         finally:
             await client.close()
+
+
+async def test_a_write_gives_the_apiserver_the_clients_timeout() -> None:
+    async with FakeServer() as fake:
+        client = client_for(fake.url, timeout=2.5)
+        try:
+            await client.apply(COMPUTE_DOMAINS, {"metadata": {"name": "cd", "namespace": "ns"}}, force=True)
+            await client.get(PODS, "p", namespace="ns")
+        finally:
+            await client.close()
+    apply, get = (parse_qs(r.target.partition("?")[2]) for r in fake.requests)
+    assert apply == {"fieldManager": ["computedomain"], "timeout": ["2500ms"], "force": ["true"]}
+    assert get == {}  # reads keep the apiserver's own limit (a list may take long)

@@ -170,7 +170,9 @@ def test_daemon_identity_policy_covers_every_write_the_daemon_is_granted(default
         selector = p["spec"]["matchConstraints"].get("namespaceSelector")
         if selector is not None:
             assert selector == {
-                "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": DAEMON_NAMESPACES}]
+                "matchExpressions": [
+                    {"key": "kubernetes.io/metadata.name", "operator": "In", "values": DAEMON_NAMESPACES}
+                ]
             }
             if namespace is None or namespace not in DAEMON_NAMESPACES:
                 return set()
