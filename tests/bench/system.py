@@ -69,6 +69,7 @@ class Round:
         self.curves: dict[str, list[tuple[float, float]]] = {}
         self.requests: Counter[tuple[str, str, str]] = Counter()  # the apiserver's, during the round
         self.cpu: Counter[str] = Counter()  # CPU seconds of the bring-up's processes during the round, by kind
+        self.admission: Counter[str] = Counter()  # the apiserver's seconds in each admission plugin, during it
 
     def _mark(self, what: str) -> None:
         self.at.setdefault(what, time.monotonic())
@@ -116,15 +117,21 @@ class Round:
                 self._mark("children")
 
 
-def apiserver_requests(sim: SimCluster) -> Counter[tuple[str, str, str]]:
-    """The apiserver's request counters by (verb, resource, code), from its /metrics."""
+def apiserver_requests(sim: SimCluster) -> tuple[Counter[tuple[str, str, str]], Counter[str]]:
+    """The apiserver's request counters by (verb, resource, code) and its seconds in each admission plugin
+    (all requests, matched or not: what a policy's match rules cost shows here), from its /metrics."""
     text = sim.local.kubectl("get", "--raw", "/metrics").stdout
     out: Counter[tuple[str, str, str]] = Counter()
     for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} ([0-9.e+]+)$", text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         resource = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
         out[(labels.get("verb", ""), resource, labels.get("code", ""))] += int(float(m.group(2)))
-    return out
+    admission: Counter[str] = Counter()
+    for m in re.finditer(
+        r"^apiserver_admission_controller_admission_duration_seconds_sum\{([^}]*)\} ([0-9.e+]+)$", text, re.M
+    ):
+        admission[dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))).get("name", "")] += float(m.group(2))
+    return out, admission
 
 
 def _watch(informer: Informer[Raw], handler: Callable[[Raw], None]) -> None:
@@ -216,7 +223,7 @@ async def one_round(sim: SimCluster, index: int, nodes: int, within: float) -> R
             await informer.has_synced()
         cpu0 = _controller_cpu(sim)
         kinds0 = await asyncio.to_thread(cpu_by_kind, sim)
-        requests0 = await asyncio.to_thread(apiserver_requests, sim)
+        requests0, admission0 = await asyncio.to_thread(apiserver_requests, sim)
         progress.t0 = time.monotonic()
         created = await client.create(COMPUTE_DOMAINS, cd_body)
         progress.cd_uid = created["metadata"]["uid"]
@@ -234,7 +241,9 @@ async def one_round(sim: SimCluster, index: int, nodes: int, within: float) -> R
             progress.at["controller cpu"] = cpu1[1] - cpu0[1]
         elif cpu0 is not None:
             progress.at["controller restarted"] = 1.0
-        progress.requests = await asyncio.to_thread(apiserver_requests, sim) - requests0
+        requests1, admission1 = await asyncio.to_thread(apiserver_requests, sim)
+        progress.requests = requests1 - requests0
+        progress.admission = Counter({k: v - admission0.get(k, 0.0) for k, v in admission1.items()})
         return progress
     finally:
         for task in tasks:
@@ -335,8 +344,13 @@ async def run(bench: Bench) -> None:
             for (verb, res, code), n in req.items():
                 top[f"{verb} {res}{'' if code.startswith('2') else f' ({code})'}"] += n
             api.note = "most frequent, last round: " + ", ".join(f"{k}={v}" for k, v in top.most_common(8))
+            failed = Counter({k: v for k, v in top.items() if k.endswith(")")})
+            api.note += "; not 2xx: " + (", ".join(f"{k}={v}" for k, v in failed.most_common(6)) or "none")
             cpu.round([sum(got.cpu.values())])
             cpu.note = "by process, last round: " + ", ".join(f"{k} {v:.1f}" for k, v in got.cpu.most_common())
+            cpu.note += "; the apiserver's seconds in admission plugins: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in got.admission.most_common(4)
+            )
             series = Series(f"convergence-{index + 1}", f"round {index + 1}: {label} converging", "count",
                             target_x=30.0, target_text="SPEC 9: workers Running < 30 s", simulated=sim_text)  # fmt: skip
             series.curves = got.curves
