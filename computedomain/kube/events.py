@@ -11,11 +11,14 @@ on a budget of their own, so an Event never waits for or takes a token a reconci
   costs one create plus a bounded trickle of patches, never a flood. While a write for an Event is still
   queued, further occurrences only bump its count (**coalesce**): the write sends the newest count.
 * ``EventRecorder.record()`` is synchronous and never raises: it asks the correlator, then hands the write
-  to a few background writer tasks (``writers``, 8: one at a time took ~35 s for the 1,000 Ready Events
-  of a 1,000-domain burst on a busy apiserver, long after the domains were Ready), so reconciles never wait
-  on Event writes. One Event is written by one writer at a time (a lock per Event), so its create is always
-  sent before its patches. Pending patches of one Event coalesce: the writer sends the newest count once. A patch that finds its Event gone (Events expire after an hour) re-creates it.
-  ``flush()`` waits for the writes queued so far; ``aclose()`` flushes and stops the writer.
+  to background writer tasks, started as the backlog grows up to ``writers`` (32, the requests the Event
+  client has in flight at most; its token bucket paces them). One writer fell ~30 s behind the 1,000 Ready
+  Events of a 1,000-domain burst on a busy apiserver, 8 still ~2 s: an Event should land while what it
+  tells is news. Reconciles never wait on Event writes. One Event is written by one writer at a time (a
+  lock per Event), so its create is always sent before its patches. Pending patches of one Event coalesce:
+  the writer sends the newest count once. A patch that finds its Event gone (Events expire after an hour)
+  re-creates it.
+  ``flush()`` waits for the writes queued so far; ``aclose()`` flushes and stops the writers.
 * The sink the recorder writes through is the process's client with a token bucket of its own
   (``KubeClient.with_own_budget``: the same connection pool and limits, as kube-scheduler and
   controller-runtime give their Event clients), so a burst of Events queues behind its own budget, never in
@@ -241,7 +244,7 @@ class EventRecorder:
         instance: str,
         correlator: EventCorrelator | None = None,
         max_pending: int = 1000,
-        writers: int = 8,
+        writers: int = 32,
         summary_interval: float = 60.0,
         clock: Clock | None = None,
     ) -> None:
