@@ -23,8 +23,8 @@ the missing conditions as a difference (no write, no Event per reconcile), probe
 ``PROBE_EVERY`` seconds with one write, and once conditions are kept again reconciles every domain so each
 gets its condition.
 
-``Sweeper`` removes orphans (``cleanup``): a one-key convergence loop, so requests (after every reconcile, on
-events about unknown domains) coalesce into at most one sweep per second, with one every ``period`` seconds
+``Sweeper`` removes orphans (``cleanup``): a one-key convergence loop, so requests (after every reconcile of a
+domain being torn down or gone, on events about unknown domains) coalesce into at most one sweep per second, with one every ``period`` seconds
 and at start. A sweep does API work only when the caches show candidates, and then first confirms them with
 a consistent list of ComputeDomains from the apiserver.
 """
@@ -310,7 +310,10 @@ class Reconciler:
         try:
             return await self._reconcile(uid)
         finally:
-            if self._after is not None:
+            # Orphans come only from a domain being torn down or gone (a node labelled after its teardown);
+            # a live domain's reconcile asks for no sweep.
+            cd = self.caches.cd(uid)
+            if self._after is not None and (cd is None or cd.metadata.deletion_timestamp is not None):
                 self._after()
 
     async def _reconcile(self, uid: str) -> ReconcileResult:

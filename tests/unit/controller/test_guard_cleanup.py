@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from computedomain.controller import cleanup, guard, nodes
+from computedomain.controller.executor import Reconciler
 from computedomain.controller.observed import Child, ChildKind, NodeView
 from computedomain.settings import ImexMode
-from tests.unit.controller.helpers import OTHER_UID, UID, child, clique, compute_domain, node
+from tests.unit.controller.helpers import OTHER_UID, UID, child, clique, compute_domain, node, settings
 
 DRIVER = ImexMode.DRIVER_MANAGED
 HOST = ImexMode.HOST_MANAGED
@@ -76,3 +79,31 @@ def test_unlabel_patch_tests_the_value_first() -> None:
         node("a", OTHER_UID),
         node("b", OTHER_UID),
     ]
+
+
+class _Caches:
+    """Only what ``Reconciler.reconcile`` reads of the caches for a domain it has nothing to write for."""
+
+    def __init__(self, cds: dict[str, object]) -> None:
+        self.cds = cds
+
+    def observe(self, uid: str) -> None:
+        return None
+
+    def cd(self, uid: str) -> object | None:
+        return self.cds.get(uid)
+
+
+@pytest.mark.parametrize(
+    ("cached", "swept"),
+    [("live", False), ("deleting", True), ("gone", True)],
+)
+async def test_only_a_domain_torn_down_or_gone_asks_for_a_sweep(cached: str, swept: bool) -> None:
+    cds: dict[str, object] = {}
+    if cached != "gone":
+        cds[UID] = compute_domain(deleting=cached == "deleting")
+    requests: list[str] = []
+    writer = SimpleNamespace(client=None, caches=_Caches(cds))
+    reconciler = Reconciler(writer, settings(), after_reconcile=lambda: requests.append(UID))  # type: ignore[arg-type]
+    await reconciler.reconcile(UID)
+    assert requests == ([UID] if swept else [])
