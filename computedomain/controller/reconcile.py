@@ -221,10 +221,8 @@ def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> 
         # template. The workload template never comes before the daemon template: a live domain with a
         # workload template and no daemon objects is what the mode guard reads as set up hostManaged.
         daemon_template = _step(observed, ChildKind.DAEMON_TEMPLATE)
-        if daemon_template.waiting:
-            return _waiting(observed, now, daemon_template.waiting, foreign)
-        if daemon_template.conflict:
-            return _status_plan(observed, settings, now, foreign)
+        if (held := _held(daemon_template, observed, settings, now, foreign)) is not None:
+            return held
         first: list[Action] = []
         if daemon_template.create:
             first.append(CreateChild(ChildKind.DAEMON_TEMPLATE, claim_templates.daemon_template(cd, settings)))
@@ -233,10 +231,8 @@ def desired(observed: Observed, settings: ControllerSettings, now: datetime) -> 
         if first:
             return _batch(*first)
         ds = _step(observed, ChildKind.DAEMONSET)
-        if ds.waiting:
-            return _waiting(observed, now, ds.waiting, foreign)
-        if ds.conflict:
-            return _status_plan(observed, settings, now, foreign)
+        if (held := _held(ds, observed, settings, now, foreign)) is not None:
+            return held
         second: list[Action] = []
         if ds.create:
             second.append(CreateChild(ChildKind.DAEMONSET, daemonset.daemonset(cd, settings)))
@@ -285,6 +281,18 @@ def _step(observed: Observed, kind: ChildKind) -> _Step:
     if observed.conflict(kind):
         return _Step(conflict=True)
     return _Step(create=True)
+
+
+def _held(
+    step: _Step, observed: Observed, settings: ControllerSettings, now: datetime, foreign: Sequence[Foreign]
+) -> Plan | None:
+    """The plan while a child the next ones need cannot be created (a deleted one going away, a foreign object
+    holding its name: the status tells which), else None."""
+    if step.waiting:
+        return _waiting(observed, now, step.waiting, foreign)
+    if step.conflict:
+        return _status_plan(observed, settings, now, foreign)
+    return None
 
 
 def _waiting(observed: Observed, now: datetime, waiting: str, foreign: Sequence[Foreign] = ()) -> Plan:

@@ -28,8 +28,12 @@ class FakeSink:
         if self.fail_next:
             raise self.fail_next.pop(0)
 
+    async def _wire(self, name: str) -> None:
+        """Where a write is on the wire (instant here)."""
+
     async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
         assert resource is EVENTS
+        await self._wire(str(body["metadata"]["name"]))
         self._maybe_fail()
         self.calls.append(("create", str(body["metadata"]["name"]), dict(body)))
         return dict(body)
@@ -43,6 +47,7 @@ class FakeSink:
         namespace: str | None = None,
         subresource: str | None = None,
     ) -> Raw:
+        await self._wire(name)
         self._maybe_fail()
         self.calls.append(("patch", name, dict(patch)))
         return dict(patch)
@@ -168,22 +173,6 @@ class HeldSink(FakeSink):
             await asyncio.sleep(0)
         finally:
             self.in_flight -= 1
-
-    async def create(self, resource: Resource, body: Mapping[str, Any], *, namespace: str | None = None) -> Raw:
-        await self._wire(str(body["metadata"]["name"]))
-        return await super().create(resource, body, namespace=namespace)
-
-    async def merge_patch(
-        self,
-        resource: Resource,
-        name: str,
-        patch: Mapping[str, Any],
-        *,
-        namespace: str | None = None,
-        subresource: str | None = None,
-    ) -> Raw:
-        await self._wire(name)
-        return await super().merge_patch(resource, name, patch, namespace=namespace)
 
 
 def ref(name: str) -> ObjectRef:
