@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
@@ -269,13 +270,15 @@ class Caches:
             on_uid(cd.uid)
 
         self.cds.add_handler(on_add=cd_event, on_update=lambda _o, n: cd_event(n))
-        labelled: list[Informer[Child] | Informer[NodeView] | Informer[PodView]] = [
-            *self.daemonsets,
-            *self.network_policies,
-            self.templates,
-            self.nodes,
-            *self.pods,
-        ]
+        for informer_child in (*self.daemonsets, *self.network_policies, self.templates):
+            informer_child.add_handler(
+                on_add=lambda o: _route(o.cd_uid, on_uid),
+                on_update=lambda old, new: (
+                    _route_both(old.cd_uid, new.cd_uid, on_uid) if child_changed(old, new) else None
+                ),
+                on_delete=lambda o: _route(o.cd_uid, on_uid),
+            )
+        labelled: list[Informer[NodeView] | Informer[PodView]] = [self.nodes, *self.pods]
         for informer in labelled:
             informer.add_handler(
                 on_add=lambda o: _route(o.cd_uid, on_uid),
@@ -348,6 +351,14 @@ def _uid(cd: ComputeDomain) -> list[str]:
 def _route(uid: str, on_uid: Callable[[str], None]) -> None:
     if uid:
         on_uid(uid)
+
+
+def child_changed(old: Child, new: Child) -> bool:
+    """Whether an update changed what a reconcile reads of a child (its ``Child`` view, which holds of a
+    DaemonSet's status only the pods it schedules). The DaemonSet controller's other status writes (a few per
+    DaemonSet: for 1,000 new domains ~1,000 reconciles with nothing to do, ~2 % of a core for half a minute
+    after all were Ready) wake no reconcile; the cache has the new object either way."""
+    return replace(old, resource_version=new.resource_version) != new or old.content != new.content
 
 
 def _route_both(old: str, new: str, on_uid: Callable[[str], None]) -> None:

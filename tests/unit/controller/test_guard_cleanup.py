@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from computedomain.controller import cleanup, guard, nodes
+from computedomain.controller.caches import child_changed
 from computedomain.controller.executor import Reconciler
 from computedomain.controller.observed import Child, ChildKind, NodeView
 from computedomain.settings import ImexMode
@@ -107,3 +110,21 @@ async def test_only_a_domain_torn_down_or_gone_asks_for_a_sweep(cached: str, swe
     reconciler = Reconciler(writer, settings(), after_reconcile=lambda: requests.append(UID))  # type: ignore[arg-type]
     await reconciler.reconcile(UID)
     assert requests == ([UID] if swept else [])
+
+
+def _status(**status: int) -> Callable[[dict[str, Any]], None]:
+    def edit(raw: dict[str, Any]) -> None:
+        raw["status"] = status
+        raw["metadata"]["resourceVersion"] = str(6 + sum(status.values()))
+
+    return edit
+
+
+def test_a_childs_update_wakes_its_domain_only_when_its_view_changed() -> None:
+    ds = child(ChildKind.DAEMONSET)
+    # The DaemonSet controller's status write: a new resourceVersion, nothing a reconcile reads.
+    assert not child_changed(ds, child(ChildKind.DAEMONSET, edit=_status(observedGeneration=1)))
+    # The pods it schedules, a finalizer, a deletion: each one wakes the domain.
+    assert child_changed(ds, child(ChildKind.DAEMONSET, edit=_status(currentNumberScheduled=2)))
+    assert child_changed(ds, child(ChildKind.DAEMONSET, finalizers=()))
+    assert child_changed(ds, child(ChildKind.DAEMONSET, terminating=True))
