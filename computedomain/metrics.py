@@ -28,7 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import Final, Generic, NamedTuple, TypeVar
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
@@ -197,10 +197,15 @@ class _HistogramChild(_Child):
                     break
 
 
-class _Metric(Collector):
+ChildT = TypeVar("ChildT", bound=_Child)
+
+
+class _Metric(Collector, Generic[ChildT]):
     """A metric with label names; without any, it is its own (only) child."""
 
     type = ""
+    #: dropped from the name given (a counter's samples add `_total` back)
+    name_suffix = ""
 
     def __init__(
         self,
@@ -209,23 +214,26 @@ class _Metric(Collector):
         labelnames: Sequence[str] = (),
         registry: CollectorRegistry | None = REGISTRY,
     ) -> None:
-        self.name = name
+        self.name = name.removesuffix(self.name_suffix) if self.name_suffix else name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._lock = threading.Lock()
-        self._children: dict[tuple[str, ...], _Child] = {}
+        self._children: dict[tuple[str, ...], ChildT] = {}
         if not self.labelnames:
             self._children[()] = self._new_child()
         if registry is not None:
             registry.register(self)
 
-    def _new_child(self) -> _Child:
+    def _new_child(self) -> ChildT:
         raise NotImplementedError
 
     def series_names(self) -> tuple[str, ...]:
         return (self.name,)
 
-    def _child(self, values: tuple[str, ...]) -> _Child:
+    def labels(self, *values: object) -> ChildT:
+        return self._child(tuple(map(str, values)))
+
+    def _child(self, values: tuple[str, ...]) -> ChildT:
         child = self._children.get(values)
         if child is None:
             if len(values) != len(self.labelnames):
@@ -234,38 +242,25 @@ class _Metric(Collector):
                 child = self._children.setdefault(values, self._new_child())
         return child
 
-    def _only(self) -> _Child:
+    def _only(self) -> ChildT:
         if self.labelnames:
             raise ValueError(f"{self.name} has labels {list(self.labelnames)}: use labels(...) first")
         return self._children[()]
 
-    def _labelled(self) -> Iterator[tuple[dict[str, str], _Child]]:
+    def _labelled(self) -> Iterator[tuple[dict[str, str], ChildT]]:
         for values, child in list(self._children.items()):
             yield dict(zip(self.labelnames, values, strict=True)), child
 
 
-class Counter(_Metric):
+class Counter(_Metric[_CounterChild]):
     type = "counter"
+    name_suffix = "_total"
 
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str] = (),
-        registry: CollectorRegistry | None = REGISTRY,
-    ) -> None:
-        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
-
-    def _new_child(self) -> _Child:
+    def _new_child(self) -> _CounterChild:
         return _CounterChild(self._lock)
 
     def series_names(self) -> tuple[str, ...]:
         return (f"{self.name}_total", f"{self.name}_created", self.name)
-
-    def labels(self, *values: object) -> _CounterChild:
-        child = self._child(tuple(map(str, values)))
-        assert isinstance(child, _CounterChild)
-        return child
 
     def inc(self, amount: float = 1.0) -> None:
         self._only().inc(amount)
@@ -279,16 +274,11 @@ class Counter(_Metric):
         yield family
 
 
-class Gauge(_Metric):
+class Gauge(_Metric[_GaugeChild]):
     type = "gauge"
 
-    def _new_child(self) -> _Child:
+    def _new_child(self) -> _GaugeChild:
         return _GaugeChild(self._lock)
-
-    def labels(self, *values: object) -> _GaugeChild:
-        child = self._child(tuple(map(str, values)))
-        assert isinstance(child, _GaugeChild)
-        return child
 
     def inc(self, amount: float = 1.0) -> None:
         self._only().inc(amount)
@@ -297,9 +287,7 @@ class Gauge(_Metric):
         self.inc(-amount)
 
     def set(self, value: float) -> None:
-        child = self._only()
-        assert isinstance(child, _GaugeChild)
-        child.set(value)
+        self._only().set(value)
 
     def collect(self) -> Iterator[MetricFamily]:
         family = GaugeMetricFamily(self.name, self.documentation)
@@ -308,7 +296,7 @@ class Gauge(_Metric):
         yield family
 
 
-class Histogram(_Metric):
+class Histogram(_Metric[_HistogramChild]):
     type = "histogram"
 
     def __init__(
@@ -327,27 +315,19 @@ class Histogram(_Metric):
         self._upper = tuple(upper)
         super().__init__(name, documentation, labelnames, registry)
 
-    def _new_child(self) -> _Child:
+    def _new_child(self) -> _HistogramChild:
         return _HistogramChild(self._lock, self._upper)
 
     def series_names(self) -> tuple[str, ...]:
         return tuple(f"{self.name}{suffix}" for suffix in ("", "_bucket", "_count", "_sum", "_created"))
 
-    def labels(self, *values: object) -> _HistogramChild:
-        child = self._child(tuple(map(str, values)))
-        assert isinstance(child, _HistogramChild)
-        return child
-
     def observe(self, amount: float) -> None:
-        child = self._only()
-        assert isinstance(child, _HistogramChild)
-        child.observe(amount)
+        self._only().observe(amount)
 
     def collect(self) -> Iterator[MetricFamily]:
         family = MetricFamily(self.name, self.documentation)
         family.type = self.type
         for labels, child in self._labelled():
-            assert isinstance(child, _HistogramChild)
             with self._lock:
                 counts, total = list(child.counts), child.value
             cumulative = 0.0
