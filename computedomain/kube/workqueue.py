@@ -16,8 +16,10 @@ What it owns: a set of keys that need work.
 - Metrics per queue name: depth, adds, queue latency (add -> get), work duration (get -> done), retries.
 
 Concurrency: everything runs on one event loop. The methods except ``get`` are synchronous, so handlers
-(informer callbacks) can enqueue without awaiting. ``get`` waits on an ``asyncio.Event`` that every state
-change sets, or until the earliest delayed key is due, measured by the injectable ``Clock``.
+(informer callbacks) can enqueue without awaiting. A worker waiting in ``get`` is woken only for a key it
+can take: each key that becomes ready wakes one waiting worker (with 100 workers, waking all of them for
+every key cost more CPU than the reconciles of a burst). Delayed keys have one timer task, asleep on the
+injectable ``Clock`` until the earliest is due.
 """
 
 from __future__ import annotations
@@ -106,7 +108,11 @@ class WorkQueue(Generic[K]):
         self._heap: list[tuple[float, int, K]] = []
         self._seq = itertools.count()
         self._held: dict[K, float] = {}
-        self._changed = asyncio.Event()
+        # Workers waiting in get(), oldest first; a ready key wakes one.
+        self._idle: deque[asyncio.Future[None]] = deque()
+        # The task asleep until the earliest delayed key is due, and that time.
+        self._timer: asyncio.Task[None] | None = None
+        self._timer_due = 0.0
         self._shutting_down = False
         self._depth = QUEUE_DEPTH.labels(name)
         self._adds = QUEUE_ADDS.labels(name)
@@ -146,7 +152,7 @@ class WorkQueue(Generic[K]):
             return
         self._waiting[key] = due
         heapq.heappush(self._heap, (due, next(self._seq), key))
-        self._changed.set()
+        self._arm_timer()
 
     def add_rate_limited(self, key: K, *, at_least: float = 0.0) -> float:
         """Re-add a failed ``key`` after its backoff (and the global bucket); return the delay chosen."""
@@ -182,8 +188,7 @@ class WorkQueue(Generic[K]):
                 self._latency.observe(max(0.0, now - self._ready_since.pop(key, now)))
                 self._depth.set(len(self._queue))
                 return key
-            self._changed.clear()
-            await self._wait(self._next_due())
+            await self._wait()
 
     def done(self, key: K) -> None:
         """Finish processing ``key``; if it was added meanwhile, queue it again."""
@@ -198,7 +203,11 @@ class WorkQueue(Generic[K]):
         self._shutting_down = True
         self._queue.clear()
         self._depth.set(0)
-        self._changed.set()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._idle:
+            self._wake_one()
 
     # ---- introspection ------------------------------------------------------------------------------
 
@@ -229,7 +238,7 @@ class WorkQueue(Generic[K]):
         self._queue.append(key)
         self._ready_since.setdefault(key, self._clock.now())
         self._depth.set(len(self._queue))
-        self._changed.set()
+        self._wake_one()
 
     def _next_due(self) -> float | None:
         while self._heap:
@@ -248,15 +257,39 @@ class WorkQueue(Generic[K]):
                 del self._waiting[key]
                 self.add(key)
 
-    async def _wait(self, max_delay: float | None) -> None:
-        if max_delay is None:
-            await self._changed.wait()
-            return
-        changed = asyncio.ensure_future(self._changed.wait())
-        slept = asyncio.ensure_future(self._clock.sleep(max_delay))
+    async def _wait(self) -> None:
+        """Until a key may be ready for this worker (or the queue shuts down)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle.append(waiter)
         try:
-            await asyncio.wait({changed, slept}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (changed, slept):
-                if not t.done():
-                    t.cancel()
+            await waiter
+        except asyncio.CancelledError:
+            if not waiter.cancelled():
+                self._wake_one()  # woken for a key as it was cancelled: pass the wake on
+            raise
+
+    def _wake_one(self) -> None:
+        while self._idle:
+            waiter = self._idle.popleft()
+            if not waiter.done():  # a cancelled worker's future stays queued until now
+                waiter.set_result(None)
+                return
+
+    def _arm_timer(self) -> None:
+        """Have the timer task asleep until the earliest delayed key is due (restarted if that moved up)."""
+        due = self._next_due()
+        if due is None or self._shutting_down:
+            return
+        at = self._clock.now() + due
+        if self._timer is not None:
+            if self._timer_due <= at:
+                return
+            self._timer.cancel()
+        self._timer_due = at
+        self._timer = asyncio.get_running_loop().create_task(self._fire(due), name=f"workqueue {self.name} timer")
+
+    async def _fire(self, delay: float) -> None:
+        await self._clock.sleep(delay)
+        self._timer = None
+        self._promote_due()
+        self._arm_timer()

@@ -167,3 +167,33 @@ async def test_hold_defers_adds_and_coalesces_them(clock: FakeClock) -> None:
     q.done("a")
     q.add("a")
     assert len(q) == 1, "after the hold, adds are immediate again"
+
+
+async def test_delayed_keys_have_one_timer_however_many_workers_wait(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    getters = [asyncio.create_task(q.get()) for _ in range(10)]
+    q.add_after("a", 5.0)
+    q.add_after("b", 3.0)
+    await clock.settle()
+    assert clock.sleepers == 1, "one timer task sleeps for the queue, not every waiting worker"
+    await clock.advance(3.0)
+    assert [g.result() for g in getters if g.done()] == ["b"]
+    assert clock.sleepers == 1, "the timer sleeps again, until the next delayed key"
+    await clock.advance(2.0)
+    assert sorted(g.result() for g in getters if g.done()) == ["a", "b"]
+    assert clock.sleepers == 0
+    q.shutdown()
+    await asyncio.gather(*getters, return_exceptions=True)
+
+
+async def test_a_worker_cancelled_as_it_was_woken_passes_the_key_on(clock: FakeClock) -> None:
+    q = make_queue(clock)
+    first = asyncio.create_task(q.get())
+    await clock.settle()
+    second = asyncio.create_task(q.get())
+    await clock.settle()
+    q.add("a")  # wakes the first waiter...
+    first.cancel()  # ...which is cancelled before it runs
+    assert await asyncio.wait_for(second, 0.5) == "a"
+    with pytest.raises(asyncio.CancelledError):
+        await first
