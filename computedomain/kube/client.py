@@ -28,10 +28,12 @@ an async generator that owns its HTTP response; closing the generator (``aclose`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,6 +307,49 @@ def _name_ns(resource: Resource, body: Mapping[str, Any], namespace: str | None)
     return name, ns
 
 
+class Slots:
+    """At most ``size`` requests in flight. A freed slot goes to the longest-waiting foreground request, and
+    to a background one only when no foreground request waits (``KubeClient.with_own_budget``)."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        # Waiters in arrival order, foreground first: a slot is handed over, never returned while one waits.
+        self._waiting: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
+
+    @contextlib.asynccontextmanager
+    async def slot(self, *, background: bool = False) -> AsyncIterator[None]:
+        await self._acquire(background)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self, background: bool) -> None:
+        if self._free > 0:
+            self._free -= 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiting[background]
+        queue.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if not waiter.cancelled():
+                self._release()  # handed a slot as it was cancelled: pass it on
+            elif waiter in queue:
+                queue.remove(waiter)
+            raise
+
+    def _release(self) -> None:
+        for queue in self._waiting:
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():  # a cancelled waiter may still be queued until its task runs
+                    waiter.set_result(None)
+                    return
+        self._free += 1
+
+
 class KubeClient:
     """Raw-JSON Kubernetes client with deadlines, retries, a QPS limit and metrics (see the module)."""
 
@@ -320,7 +365,8 @@ class KubeClient:
         self.config = config or ClientConfig()
         self._clock: Clock = clock or MonotonicClock()
         self._bucket = TokenBucket(self.config.qps, self.config.burst, clock=self._clock)
-        self._in_flight = asyncio.Semaphore(max(1, self.config.max_in_flight))
+        self._in_flight = Slots(max(1, self.config.max_in_flight))
+        self._background = False
         # Only for retry jitter; injectable so tests are deterministic.
         self._rng = rng or random.Random()
         self._transport.user_agent = self.config.user_agent
@@ -355,14 +401,25 @@ class KubeClient:
         be used raises ``kube.config.ConfigError`` naming the file and the field.
         """
         creds = kube_config.load(kubeconfig, context=context)
-        transport = Transport(creds.endpoint, ssl_context=creds.ssl_context, auth=creds.token)
+        config = config or ClientConfig()
+        # As many idle connections kept as may be in flight: a burst that fills the slots again finds them open
+        # (with 16 kept, every burst made a TLS handshake for each slot above 16, on both ends).
+        transport = Transport(
+            creds.endpoint, ssl_context=creds.ssl_context, auth=creds.token, max_idle=config.max_in_flight
+        )
         return cls(transport, config=config, clock=clock)
 
-    def with_own_budget(self) -> KubeClient:
+    def with_own_budget(self, *, background: bool = False) -> KubeClient:
         """The same connection pool, credentials and limits, with a token bucket of its own: for writes that
-        must never wait for, or take, the tokens of this client's callers (Events). Closing it closes nothing;
-        the pool belongs to this client."""
+        report rather than act (Events, status), which must never wait for, or take, the tokens of this
+        client's callers. ``background``: it also shares this client's in-flight slots and takes one only when
+        none of this client's requests waits for one, so under a burst the writes that make objects work go
+        first (status writes; Events keep slots of their own, or a long burst would leave them trailing it).
+        Closing it closes nothing; the pool belongs to this client."""
         other = KubeClient(self._transport, config=self.config, clock=self._clock, rng=self._rng)
+        if background:
+            other._in_flight = self._in_flight
+            other._background = True
         other._closed = True
         return other
 
@@ -535,7 +592,7 @@ class KubeClient:
         code = "error"
         start = time.perf_counter()
         try:
-            async with self._in_flight:
+            async with self._in_flight.slot(background=self._background):
                 resp = await self._transport.request(
                     method,
                     target,

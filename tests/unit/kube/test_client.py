@@ -194,6 +194,30 @@ async def test_a_client_with_its_own_budget_never_takes_the_tokens_of_the_first(
     assert len(fake.requests) == 8
 
 
+async def test_a_background_request_takes_a_slot_only_when_no_other_request_waits() -> None:
+    async with FakeServer() as fake:
+        fake.hold = asyncio.Event()
+        client = client_for(fake.url, max_in_flight=2)
+        reports = client.with_own_budget(background=True)
+        try:
+            held = [asyncio.create_task(client.get(PODS, f"held{i}", namespace="ns")) for i in range(2)]
+            for _ in range(200):  # until both slots are taken, or two seconds
+                if fake.in_flight == 2:
+                    break
+                await asyncio.sleep(0.01)
+            status = asyncio.create_task(reports.get(PODS, "status", namespace="ns"))
+            await asyncio.sleep(0)
+            work = [asyncio.create_task(client.get(PODS, f"work{i}", namespace="ns")) for i in range(3)]
+            await asyncio.sleep(0.05)
+            fake.hold.set()
+            await asyncio.gather(*held, *work, status)
+            order = [r.path.rsplit("/", 1)[1] for r in fake.requests]
+            assert order[2:] == ["work0", "work1", "work2", "status"], "the waiting work went first, in order"
+            assert fake.most_in_flight == 2, "the background client shares the slots"
+        finally:
+            await client.close()
+
+
 async def test_requests_in_flight_are_bounded_and_the_rest_wait_their_turn() -> None:
     async with FakeServer() as fake:
         fake.hold = asyncio.Event()
