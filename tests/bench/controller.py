@@ -9,12 +9,16 @@ clock, this process), failures counted apart.
    domain, against the bare API-write floor in the same round: for as many domains in another namespace, the
    same five writes (the CD, its finalizer patch, daemon template, DaemonSet, workload template) issued
    directly by this process without a client limit, timed the same way (CD create request -> the three
-   children observed).
+   children observed). Each timed part starts once the DaemonSet controller has processed every DaemonSet
+   of the part before (with 2,000 Nodes that is about a CPU second per 100 DaemonSets, which would otherwise
+   fall into the next part, whichever side caused it), and the floor's children are deleted after its round.
 3. **Ready latency**: the last clique entry written Ready -> the CD's status observed Ready (`BENCH_READY`
    samples per round; clique entries are written by this process, standing in for the daemons).
 4. **Scale**: `BENCH_SCALE` (1,000) domains on `BENCH_NODES` (2,000) GB200 Node objects: create -> all Ready,
-   then the idle window (`BENCH_IDLE`, 30 s from the moment all were Ready: the API requests the controller
-   makes in it, Events and watches included, beside the reference's 5, and its CPU), its RSS, then delete ->
+   how long the domains' Ready Events trail the last Ready (each is recorded when its status write returns)
+   and the requests in that time, then the idle window (`BENCH_IDLE`, 30 s from the moment all were Ready
+   and their Events written: the API requests the controller makes in it, Events and watches included,
+   beside the reference's 5, and its CPU), its RSS, then delete ->
    gone; API requests, writes and Events per domain lifecycle (create -> Ready -> delete), from the
    controller's own metrics. The Nodes carry GB200 labels but no kwok annotation: 2,000 kwok-heartbeated
    nodes would measure this machine's lease writes rather than the controller (whose node cache holds only
@@ -345,9 +349,45 @@ async def _delete_pod(client: KubeClient, name: str, ns: str) -> None:
         await client.delete(PODS, name, namespace=ns, grace_period_seconds=0)
 
 
-async def _delete(client: KubeClient, name: str, ns: str) -> None:
+async def _delete(client: KubeClient, name: str, ns: str, resource: Resource = COMPUTE_DOMAINS) -> None:
     with contextlib.suppress(NotFound):
-        await client.delete(COMPUTE_DOMAINS, name, namespace=ns)
+        await client.delete(resource, name, namespace=ns)
+
+
+async def delete_floor_children(client: KubeClient, floor_ns: str, floor_drv: str) -> None:
+    """Delete the floor's children (no controller does: its domains had no finalizer of a running controller)
+    and wait until they are gone, so they neither pile up over rounds nor get deleted during the next one (the
+    workload templates' owner references would have the garbage collector do it, at its 20 writes/s)."""
+    kinds = ((RESOURCE_CLAIM_TEMPLATES, floor_ns), (RESOURCE_CLAIM_TEMPLATES, floor_drv), (DAEMONSETS, floor_drv))
+
+    async def listed() -> list[tuple[Resource, str, str]]:
+        out = []
+        for resource, ns in kinds:
+            items = (await client.list_all(resource, namespace=ns, label_selector=COMPUTE_DOMAIN_LABEL)).items
+            out += [(resource, ns, o["metadata"]["name"]) for o in items]
+        return out
+
+    await gather_limited([_delete(client, name, ns, resource) for resource, ns, name in await listed()])
+
+    async def gone() -> bool:
+        return not await listed()
+
+    await poll(gone, 120, "the floor's children deleted", interval=0.2)
+
+
+async def caught_up(client: KubeClient, namespaces: tuple[str, ...]) -> None:
+    """Wait until the DaemonSet controller has processed every DaemonSet of `namespaces` (its observed
+    generation is the current one). With 2,000 Nodes it checks each against a new DaemonSet's selector: about
+    a CPU second per 100 DaemonSets, which must not fall into the next timed round, whichever side caused it."""
+
+    async def done() -> bool:
+        for ns in namespaces:
+            for ds in (await client.list_all(DAEMONSETS, namespace=ns, label_selector=COMPUTE_DOMAIN_LABEL)).items:
+                if (ds.get("status") or {}).get("observedGeneration") != ds["metadata"].get("generation"):
+                    return False
+        return True
+
+    await poll(done, 120, "the DaemonSet controller caught up", interval=0.1)
 
 
 async def stand_in_owner(client: KubeClient, ns: str) -> dict[str, Any]:
@@ -474,6 +514,8 @@ class ScaleRound:
     rss: float
     idle_cpu: float  # fraction of one core over the idle window
     idle_requests: Counter[str]  # by verb and resource, Events and watches included
+    trail: float  # the last domain Ready -> every domain's Ready Event written
+    trail_requests: Counter[str]  # the requests in that time
     delta: Counter[str]  # requests of whole lifecycles, by verb and resource
     events: Counter[str]  # Event writes by outcome
 
@@ -494,12 +536,23 @@ async def scale_round(client: KubeClient, ctl: ControllerProcess, cd_ns: str, co
         await cds.has_synced()
         t0 = time.monotonic()
         await gather_limited([client.create(COMPUTE_DOMAINS, cd_body(n, cd_ns)) for n in names])
-        await wait_for(lambda: len(ready_at) >= count, 900, f"{count} ComputeDomains Ready", interval=0.1)
+        await wait_for(lambda: len(ready_at) >= count, 900, f"{count} ComputeDomains Ready", interval=0.02)
         converged = max(ready_at.values()) - t0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    # The idle window: from the moment every domain was Ready, whatever the controller still does.
+    # The burst's last writes are the Ready Events of its last domains: each is recorded when its status write
+    # returns, so they trail the last Ready by one write (and whatever Events queued before them).
+    ready = ctl.requests(events=True)
+
+    def events_written() -> bool:
+        done = ctl.events() - events_before
+        return sum(done[k] for k in ("create", "patch", "dropped", "failed")) >= count
+
+    with contextlib.suppress(TimeoutError):  # fewer Events than domains: the window starts after a minute
+        await wait_for(events_written, 60, "every domain's Ready Event written", interval=0.02)
+    trail = time.monotonic() - max(ready_at.values())
+    # The idle window: from the moment every domain was Ready and told so, whatever the controller still does.
     start, cpu0 = ctl.requests(events=True), ctl.cpu_seconds()
     await asyncio.sleep(idle)
     idle_cpu = (ctl.cpu_seconds() - cpu0) / idle
@@ -507,8 +560,8 @@ async def scale_round(client: KubeClient, ctl: ControllerProcess, cd_ns: str, co
     rss = ctl.rss_mib()
     await delete_all(client, cd_ns)
     await asyncio.sleep(1.0)
-    return ScaleRound(converged, rss, idle_cpu, idle_requests, ctl.requests(events=True) - before,
-                      ctl.events() - events_before)  # fmt: skip
+    return ScaleRound(converged, rss, idle_cpu, idle_requests, trail, start - ready,
+                      ctl.requests(events=True) - before, ctl.events() - events_before)  # fmt: skip
 
 
 @dataclass
@@ -570,7 +623,7 @@ async def run(bench: Bench) -> None:
     try:
         for lim in all_limits:
             await one_pass(bench, client, lim, sizes, figures, scale_figures, settings,
-                           (driver_ns, cd_ns, floor_ns))  # fmt: skip
+                           (driver_ns, cd_ns, floor_ns, floor_drv))  # fmt: skip
     finally:
         with bench.step(f"deleting {sizes.nodes} Node objects"):
             listed = await client.list_all(NODES, label_selector="computedomain-bench")
@@ -585,10 +638,11 @@ async def one_pass(
     figures: dict[str, dict[str, Figure]],
     scale_figures: dict[str, dict[str, Figure]],
     settings: ControllerSettings,
-    namespaces: tuple[str, str, str],
+    namespaces: tuple[str, str, str, str],
 ) -> None:
-    """Every figure at one set of limits: start-ups, bursts against the floor, Ready latency, scale."""
-    driver_ns, cd_ns, floor_ns = namespaces
+    """Every figure at one set of limits: start-ups, bursts against the floor (each timed round starting on a
+    cluster that caught up with the one before), Ready latency, scale."""
+    driver_ns, cd_ns, floor_ns, floor_drv = namespaces
     f = {k: v[lim.name] for k, v in figures.items()}
     ctl: ControllerProcess | None = None
     try:
@@ -606,16 +660,19 @@ async def one_pass(
             for index in range(sizes.rounds):
                 tag = f"{lim.name}-{index}"
                 with bench.step(f"{lim.name}, round {index + 1}: the floor's {sizes.burst} domains"):
+                    await caught_up(client, (driver_ns, floor_drv))
                     f["floor"].round(*await floor_round(client, children, settings, floor_ns, sizes.burst, tag))
                 with bench.step(f"{lim.name}, round {index + 1}: a burst of {sizes.burst} ComputeDomains"):
+                    await caught_up(client, (floor_drv,))
                     before = ctl.requests(events=True)
                     f["burst"].round(*await burst_round(client, children, cd_ns, sizes.burst, tag))
                     answers.update({k: v for k, v in (ctl.requests(events=True) - before).items() if "(" in k})
                 if f["floor"].rounds[-1] and f["burst"].rounds[-1]:
                     f["ratio"].round([percentile(f["burst"].rounds[-1], 99) / percentile(f["floor"].rounds[-1], 99)])
-                with bench.step(f"{lim.name}, round {index + 1}: deleting the burst's domains"):
+                with bench.step(f"{lim.name}, round {index + 1}: deleting the round's domains"):
                     await delete_all(client, cd_ns)
                     await delete_all(client, floor_ns, unowned=True)
+                    await delete_floor_children(client, floor_ns, floor_drv)
         f["burst"].note = "the controller's answers other than 2xx during the bursts: " + (
             ", ".join(f"{k}={v}" for k, v in sorted(answers.items())) or "none (no 429)"
         )
@@ -644,8 +701,12 @@ def scale_section(section: Section, all_limits: list[Limits], sizes: Sizes) -> d
         "rss": fig("scale-rss", f"controller RSS with {count} domains and {nodes} nodes cached",
                    Target("max", 80, "< 80 MiB"), unit="MiB", simulated=sim),
         "converge": fig("scale-converge", f"{count} domains created at once -> all Ready observed", simulated=sim),
+        "trail": fig("scale-events-trail", "the last domain Ready -> every domain's Ready Event written", unit="s"),
+        "trail-requests": fig("scale-trail-requests", "API requests in that time (the Ready Events)",
+                              unit="requests"),
         "idle-requests": fig("scale-idle-requests",
-                             f"API requests in the {idle:g} s after all {count} were Ready (Events, watches included)",
+                             f"API requests in the {idle:g} s after all {count} were Ready and their Events written "
+                             "(Events, watches included)",
                              Target("max", REFERENCE_IDLE_REQUESTS + 0.5, f"<= {REFERENCE_IDLE_REQUESTS}, the reference's"),
                              unit="requests"),
         "idle-cpu": fig("scale-idle-cpu", f"controller CPU in those {idle:g} s", Target("max", 1.0, "~0 (no polling)"),
@@ -661,6 +722,7 @@ async def scale(bench: Bench, client: KubeClient, ctl: ControllerProcess, lim: L
                 f: dict[str, Figure]) -> None:  # fmt: skip
     details: Counter[str] = Counter()
     idle_details: Counter[str] = Counter()
+    trail_details: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     for index in range(sizes.scale_rounds):
         with bench.step(f"{lim.name}, scale round {index + 1}: {sizes.scale} domains to Ready and back"):
@@ -668,6 +730,8 @@ async def scale(bench: Bench, client: KubeClient, ctl: ControllerProcess, lim: L
         requests, writes, events = lifecycle(result.delta, sizes.scale)
         f["rss"].round([result.rss])
         f["converge"].round([result.converged])
+        f["trail"].round([result.trail])
+        f["trail-requests"].round([sum(result.trail_requests.values())])
         f["idle-requests"].round([sum(result.idle_requests.values())])
         f["idle-cpu"].round([result.idle_cpu * 100])
         f["requests"].round([requests])
@@ -675,13 +739,15 @@ async def scale(bench: Bench, client: KubeClient, ctl: ControllerProcess, lim: L
         f["events"].round([events])
         details.update(result.delta)
         idle_details.update(result.idle_requests)
+        trail_details.update(result.trail_requests)
         dropped.update({k: v for k, v in result.events.items() if k in ("dropped", "failed")})
     rounds = sizes.scale_rounds
     f["requests"].note = "by verb and resource, mean over rounds: " + ", ".join(
         f"{k}={v / rounds / sizes.scale:.2f}" for k, v in sorted(details.items()) if not k.startswith("watch")
     )
-    f["idle-requests"].note = ("by verb and resource, all rounds: " + ", ".join(
-        f"{k}={v}" for k, v in sorted(idle_details.items())) if idle_details else "none")  # fmt: skip
+    for key, seen in (("idle-requests", idle_details), ("trail-requests", trail_details)):
+        f[key].note = ("by verb and resource, all rounds: " + ", ".join(
+            f"{k}={v}" for k, v in sorted(seen.items())) if seen else "none")  # fmt: skip
     f["events"].note = (
         f"Events not written, all rounds: {', '.join(f'{k}={v}' for k, v in sorted(dropped.items()))}"
         if dropped else "every Event recorded was written"
