@@ -15,8 +15,9 @@ clock, this process), failures counted apart.
 3. **Ready latency**: the last clique entry written Ready -> the CD's status observed Ready (`BENCH_READY`
    samples per round; clique entries are written by this process, standing in for the daemons).
 4. **Scale**: `BENCH_SCALE` (1,000) domains on `BENCH_NODES` (2,000) GB200 Node objects: create -> all Ready,
-   how long the domains' Ready Events trail the last Ready (each is recorded when its status write returns)
-   and the requests in that time, then the idle window (`BENCH_IDLE`, 30 s from the moment all were Ready
+   how long the domains' Ready Events trail the last Ready (each is recorded when its status write returns;
+   read from the controller's metrics every 20 ms, so to within a scrape, tens of ms at 1,000 domains) and
+   the requests in that time, then the idle window (`BENCH_IDLE`, 30 s from the moment all were Ready
    and their Events written: the API requests the controller makes in it, Events and watches included,
    beside the reference's 5, and its CPU), its RSS, then delete ->
    gone; API requests, writes and Events per domain lifecycle (create -> Ready -> delete), from the
