@@ -380,8 +380,8 @@ def _validate_imex(gates: FeatureGates, mode_text: str, isolation_text: str) -> 
 # it, 6 to tear it down), so creating and deleting 100 domains a few seconds apart takes ~1,200 tokens: at 100
 # qps every burst after the first waited for the bucket (p99 3.3-3.9 s against the floor's 0.7-0.8 s, 4-5x)
 # however large the burst. At 500 qps the bucket refills within two seconds of a teardown and the 100-domain
-# burst runs as fast as the apiserver answers (1.3-1.5x the floor); a loop of our own still cannot write more
-# than one apiserver on two cores takes (~700 writes/s here), and stops where APF pushes back. The burst of
+# burst runs as fast as the apiserver answers (1.1-1.4x the floor); a loop of our own is still held below what
+# one apiserver on two cores takes (~700 writes/s here), and stops where APF pushes back. The burst of
 # 1,000 lets 100 domains be created at once while another 100 are torn down. Events and status writes have a
 # bucket of the same size of their own (``KubeClient.with_own_budget``). Measured: docs/design/0002-controller.md,
 # `make bench-controller`.
