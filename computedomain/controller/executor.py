@@ -24,8 +24,8 @@ the missing conditions as a difference (no write, no Event per reconcile), probe
 gets its condition.
 
 ``Sweeper`` removes orphans (``cleanup``): a one-key convergence loop, so requests (after every reconcile of a
-domain being torn down or gone, on events about unknown domains) coalesce into at most one sweep per second, with one every ``period`` seconds
-and at start. A sweep does API work only when the caches show candidates, and then first confirms them with
+domain being torn down or gone, on events about unknown domains) coalesce into at most one sweep per second,
+with one every ``period`` seconds and at start. A sweep does API work only when the caches show candidates, and then first confirms them with
 a consistent list of ComputeDomains from the apiserver.
 """
 

@@ -5,8 +5,8 @@ that label is what schedules the domain's daemon on the node. The controller nev
 (a) for every node of a domain being torn down (``reconcile``), and (b) when the label names a domain that no
 longer exists: the node agent may label a node after its domain's teardown already ran, and such a node is
 then blocked for every other domain. (b) runs at start, periodically, after every reconcile of a domain being
-torn down or gone and on node events, always from the cache first and confirmed against the apiserver before any write (a domain missing
-from a lagging cache is not a deleted domain).
+torn down or gone and on node events, always from the cache first and confirmed against the apiserver before
+any write (a domain missing from a lagging cache is not a deleted domain).
 
 Removal is a JSON patch that first tests the label's value, so a label that meanwhile names another domain is
 never removed (upstream PR #518).

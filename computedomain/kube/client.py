@@ -27,13 +27,10 @@ an async generator that owns its HTTP response; closing the generator (``aclose`
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +57,7 @@ from computedomain.kube.errors import (
     error_from_response,
     error_from_status,
 )
-from computedomain.kube.ratelimit import TokenBucket
+from computedomain.kube.ratelimit import Slots, TokenBucket
 from computedomain.kube.transport import MAX_BODY, BodyTooLargeError, StreamResponse, Transport
 from computedomain.metrics import Counter, Histogram
 
@@ -305,49 +302,6 @@ def _name_ns(resource: Resource, body: Mapping[str, Any], namespace: str | None)
     name = str(meta.get("name") or "")
     ns = (namespace or meta.get("namespace")) if resource.namespaced else None
     return name, ns
-
-
-class Slots:
-    """At most ``size`` requests in flight. A freed slot goes to the longest-waiting foreground request, and
-    to a background one only when no foreground request waits (``KubeClient.with_own_budget``)."""
-
-    def __init__(self, size: int) -> None:
-        self._free = size
-        # Waiters in arrival order, foreground first: a slot is handed over, never returned while one waits.
-        self._waiting: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
-
-    @contextlib.asynccontextmanager
-    async def slot(self, *, background: bool = False) -> AsyncIterator[None]:
-        await self._acquire(background)
-        try:
-            yield
-        finally:
-            self._release()
-
-    async def _acquire(self, background: bool) -> None:
-        if self._free > 0:
-            self._free -= 1
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        queue = self._waiting[background]
-        queue.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if not waiter.cancelled():
-                self._release()  # handed a slot as it was cancelled: pass it on
-            elif waiter in queue:
-                queue.remove(waiter)
-            raise
-
-    def _release(self) -> None:
-        for queue in self._waiting:
-            while queue:
-                waiter = queue.popleft()
-                if not waiter.done():  # a cancelled waiter may still be queued until its task runs
-                    waiter.set_result(None)
-                    return
-        self._free += 1
 
 
 class KubeClient:

@@ -3,21 +3,26 @@
 ``TokenBucket`` is a reservation-style bucket (as golang.org/x/time/rate's ``Reserve``): ``reserve()``
 always succeeds and returns how long the caller must wait, so a burst of callers is spread out in arrival
 order instead of all polling. ``ItemBackoff`` is the per-key exponential backoff with jitter that the work
-queue applies to failing keys.
+queue applies to failing keys. ``Waiters`` are tasks waiting for a turn, woken one at a time, oldest first:
+the work queue's idle workers wait on it, and ``Slots`` (the client's requests in flight, foreground before
+background) on two of them.
 
-Concurrency: both are plain objects mutated only from the event loop thread; ``reserve()`` and
-``when()`` are synchronous, so no two coroutines can interleave inside them.
+Concurrency: all are plain objects mutated only from the event loop thread; ``reserve()``, ``when()`` and
+``wake_one()`` are synchronous, so no two coroutines can interleave inside them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
-from collections.abc import Hashable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Generic, TypeVar
 
 from computedomain.kube.clock import Clock, MonotonicClock
 
-__all__ = ["ItemBackoff", "TokenBucket"]
+__all__ = ["ItemBackoff", "Slots", "TokenBucket", "Waiters"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -98,3 +103,56 @@ class ItemBackoff(Generic[K]):
 
     def forget(self, key: K) -> None:
         self._failures.pop(key, None)
+
+
+class Waiters:
+    """Tasks waiting for a turn, oldest first; ``wake_one`` gives the turn to the oldest still waiting."""
+
+    def __init__(self) -> None:
+        self._queue: deque[asyncio.Future[None]] = deque()
+
+    async def wait(self, *, pass_on: Callable[[], object]) -> None:
+        """Until woken. A task cancelled just as it was woken calls ``pass_on`` so the turn is not lost."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if not waiter.cancelled():
+                pass_on()
+            raise
+
+    def wake_one(self) -> bool:
+        """Wake the oldest waiter; False when none waits."""
+        while self._queue:
+            waiter = self._queue.popleft()
+            if not waiter.done():  # a cancelled waiter stays queued until it comes up here
+                waiter.set_result(None)
+                return True
+        return False
+
+
+class Slots:
+    """At most ``size`` requests in flight. A freed slot goes to the longest-waiting foreground request, and
+    to a background one only when no foreground request waits (``KubeClient.with_own_budget``)."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        # A freed slot is handed to a waiter, never returned to the pool while one waits.
+        self._foreground = Waiters()
+        self._background = Waiters()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, *, background: bool = False) -> AsyncIterator[None]:
+        if self._free > 0:
+            self._free -= 1
+        else:
+            await (self._background if background else self._foreground).wait(pass_on=self._release)
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if not self._foreground.wake_one() and not self._background.wake_one():
+            self._free += 1

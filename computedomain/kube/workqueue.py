@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeAlias, TypeVar
 
 from computedomain.kube.clock import Clock, MonotonicClock
-from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
+from computedomain.kube.ratelimit import ItemBackoff, TokenBucket, Waiters
 from computedomain.metrics import Counter, Gauge, Histogram
 
 __all__ = ["DONE", "Done", "QueueShutDown", "ReconcileResult", "RequeueAfter", "WorkQueue"]
@@ -108,8 +108,8 @@ class WorkQueue(Generic[K]):
         self._heap: list[tuple[float, int, K]] = []
         self._seq = itertools.count()
         self._held: dict[K, float] = {}
-        # Workers waiting in get(), oldest first; a ready key wakes one.
-        self._idle: deque[asyncio.Future[None]] = deque()
+        # Workers waiting in get(); a ready key wakes one.
+        self._idle = Waiters()
         # The task asleep until the earliest delayed key is due, and that time.
         self._timer: asyncio.Task[None] | None = None
         self._timer_due = 0.0
@@ -188,7 +188,9 @@ class WorkQueue(Generic[K]):
                 self._latency.observe(max(0.0, now - self._ready_since.pop(key, now)))
                 self._depth.set(len(self._queue))
                 return key
-            await self._wait()
+            # Until a key may be ready for this worker (or the queue shuts down); a worker cancelled as it was
+            # woken passes the wake on.
+            await self._idle.wait(pass_on=self._idle.wake_one)
 
     def done(self, key: K) -> None:
         """Finish processing ``key``; if it was added meanwhile, queue it again."""
@@ -206,8 +208,8 @@ class WorkQueue(Generic[K]):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        while self._idle:
-            self._wake_one()
+        while self._idle.wake_one():
+            pass
 
     # ---- introspection ------------------------------------------------------------------------------
 
@@ -238,7 +240,7 @@ class WorkQueue(Generic[K]):
         self._queue.append(key)
         self._ready_since.setdefault(key, self._clock.now())
         self._depth.set(len(self._queue))
-        self._wake_one()
+        self._idle.wake_one()
 
     def _next_due(self) -> float | None:
         while self._heap:
@@ -256,24 +258,6 @@ class WorkQueue(Generic[K]):
             if self._waiting.get(key) == due:
                 del self._waiting[key]
                 self.add(key)
-
-    async def _wait(self) -> None:
-        """Until a key may be ready for this worker (or the queue shuts down)."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._idle.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if not waiter.cancelled():
-                self._wake_one()  # woken for a key as it was cancelled: pass the wake on
-            raise
-
-    def _wake_one(self) -> None:
-        while self._idle:
-            waiter = self._idle.popleft()
-            if not waiter.done():  # a cancelled worker's future stays queued until now
-                waiter.set_result(None)
-                return
 
     def _arm_timer(self) -> None:
         """Have the timer task asleep until the earliest delayed key is due (restarted if that moved up)."""

@@ -1,5 +1,6 @@
 """Work queue semantics with fake time: dedupe, one-at-a-time per key, backoff, rate limit, delays, holds,
-shutdown. The workers and escalation are tested in test_converge."""
+shutdown; and the client's in-flight slots, which wait on the same primitive. The workers and escalation are
+tested in test_converge."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 import pytest
 
 from computedomain.kube.clock import FakeClock
-from computedomain.kube.ratelimit import ItemBackoff, TokenBucket
+from computedomain.kube.ratelimit import ItemBackoff, Slots, TokenBucket
 from computedomain.kube.workqueue import QueueShutDown, WorkQueue
 
 pytestmark = pytest.mark.timeout(5)
@@ -197,3 +198,25 @@ async def test_a_worker_cancelled_as_it_was_woken_passes_the_key_on(clock: FakeC
     assert await asyncio.wait_for(second, 0.5) == "a"
     with pytest.raises(asyncio.CancelledError):
         await first
+
+
+async def test_a_request_cancelled_as_it_was_handed_a_slot_passes_the_slot_on() -> None:
+    slots = Slots(1)
+    order: list[str] = []
+
+    async def request(name: str, *, background: bool = False) -> None:
+        async with slots.slot(background=background):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    async with slots.slot():
+        cancelled = asyncio.create_task(request("cancelled"))
+        report = asyncio.create_task(request("report", background=True))
+        work = asyncio.create_task(request("work"))
+        await asyncio.sleep(0)
+    cancelled.cancel()  # handed the slot as the holder left, cancelled before it ran
+    await asyncio.wait_for(asyncio.gather(work, report), 0.5)
+    assert order == ["work", "report"], "the slot went on to the next foreground request, then the background one"
+    assert cancelled.cancelled()
+    async with asyncio.timeout(0.5), slots.slot():
+        pass  # and was returned: one slot free again
