@@ -1,12 +1,31 @@
-"""The HTTP endpoint of our processes: prometheus-client metrics, `/healthz`, optionally `/readyz`.
+"""The HTTP endpoint of our processes, on aiohttp.web: metrics, `/healthz`, optionally `/readyz`, own paths.
 
-Owns parsing `HTTP_ENDPOINT` (`host:port`; empty host: every address; `[v6]:port` and a bare IPv6 literal
-before the last colon both work) and a small HTTP/1.1 server on the caller's event loop (asyncio streams,
-framing by `h11`, as the API client's transport). It answers GET (and HEAD) of three paths and nothing else:
-the metrics are the process-wide prometheus-client registry, rendered at scrape time; `/healthz` answers while
-the event loop does; `/readyz` is served only when the caller passes a readiness function (`(ready, details)`:
-200 or 503 with the details as JSON); a caller may add paths of its own (the IMEX daemon's `/ready`). Requests are bounded (headers 16 KiB, no bodies) and a connection that
-sends nothing for `IDLE_TIMEOUT_S` is closed, so a scraper cannot hold the loop.
+Owns `start_http` (parsing `HTTP_ENDPOINT` is `computedomain.settings.parse_endpoint`: `host:port`, empty
+host: every address, `[v6]:port` and a bare IPv6 literal before the last colon both work), the answers of the
+three shared paths and the bounds every listening socket of ours keeps. The metrics are the process-wide
+prometheus-client registry in its text format (`generate_latest`); `/healthz` answers while the event loop
+does; `/readyz` is served only when the caller passes a readiness function (`(ready, details)`: 200 or 503
+with the details as JSON); a caller may add paths of its own (the IMEX daemon's `/ready`). aiohttp's
+low-level server (`web.Server`) parses and frames; the routes are a table of exact paths.
+
+Every port of ours is reachable from any pod unless a NetworkPolicy says otherwise, so (`Limits`):
+
+- a connection has `request_deadline_s` from its open, or from its last answer, to deliver a whole request
+  head (aiohttp's keep-alive timer runs from the open and does not restart on data): headers trickled a
+  byte at a time, or nothing at all, lose the connection then;
+- an answer has `answer_deadline_s` to be computed and taken by the client; a client that does not read it
+  loses the connection;
+- GET and HEAD only, and no body: a request that announces one is answered 413 and its connection closed
+  unread; request and header lines of at most 4 KiB, at most 32 headers (aiohttp's C parser, which decodes
+  a head of that size in microseconds; nothing else is decoded from the request but its path);
+- at most `connections` open at once and `connections_per_peer` from one address: a connection beyond either
+  is reset as it is accepted (`computedomain_http_refused_connections_total`), so idle connections cannot
+  exhaust file descriptors;
+- the metrics are rendered at most once per `metrics_every_s` (`Exposition`): a flood of scrapes costs one
+  render per interval.
+
+Concurrency: one event loop; aiohttp runs each connection as a task. Answers are computed on the loop:
+the readiness functions and scrape-time collectors read in-memory state only.
 
 Used by the controller (with `/readyz`: ready once caches synced, with the leadership state), the node agent
 and the IMEX daemon wrapper (only `/healthz` and its probe's `/ready`).
@@ -15,110 +34,230 @@ and the IMEX daemon wrapper (only `/healthz` and its probe's `/ready`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import logging
+from collections import Counter as Tally
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
-import h11
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from computedomain.metrics import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from computedomain.kube.clock import Clock, MonotonicClock
+from computedomain.metrics import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
 from computedomain.settings import EndpointError, parse_endpoint
 
-__all__ = ["EndpointError", "HttpServer", "bound_port", "parse_endpoint", "start_http"]
+__all__ = ["Answer", "EndpointError", "Exposition", "Handler", "HttpServer", "Limits", "bound_port", "start_http"]
 
 log = logging.getLogger(__name__)
 
 Readiness = Callable[[], tuple[bool, Mapping[str, Any]]]
-
-
-IDLE_TIMEOUT_S: Final = 30.0
-_MAX_HEADERS: Final = 16 * 1024
-
 Answer = tuple[int, str, bytes]
 #: a route's handler: (status, content type, body), computed now (a coroutine is awaited)
 Handler = Callable[[], Answer | Awaitable[Answer]]
+
+TEXT: Final = "text/plain; charset=utf-8"
+
+REFUSED = Counter(
+    "computedomain_http_refused_connections_total",
+    "Connections to an HTTP endpoint reset as they were accepted, by the limit they broke.",
+    ["limit"],
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds of one endpoint (see the module docstring)."""
+
+    request_deadline_s: float = 5.0
+    answer_deadline_s: float = 15.0  # the daemon's /ready may wait out IMEX between peers (4 s) and the ctl
+    connections: int = 64
+    connections_per_peer: int = 8
+    metrics_every_s: float = 1.0
+    max_line_size: int = 4096
+    max_headers: int = 32
+
+
+class Exposition:
+    """The registry's text exposition, rendered at most once per `every_s`.
+
+    A scrape that comes sooner after the last render waits for the next one, which every scrape waiting
+    shares; so no scrape sees values from before it arrived, and any number of them costs one render per
+    interval. The render itself runs on the event loop: the collectors read the loop's own state."""
+
+    def __init__(self, registry: CollectorRegistry, every_s: float, clock: Clock | None = None) -> None:
+        self._registry = registry
+        self._every_s = every_s
+        self._clock = clock or MonotonicClock()
+        self._due = float("-inf")
+        self._next: asyncio.Task[bytes] | None = None
+        self.renders = 0
+
+    async def text(self) -> bytes:
+        if self._next is None and self._clock.now() >= self._due:
+            return self._render()
+        if self._next is None:
+            self._next = asyncio.create_task(self._later(), name="metrics-render")
+        # Shielded: a scrape that gives up does not cancel the render the others wait for.
+        return await asyncio.shield(self._next)
+
+    async def _later(self) -> bytes:
+        try:
+            await self._clock.sleep(self._due - self._clock.now())
+            return self._render()
+        finally:
+            self._next = None
+
+    def _render(self) -> bytes:
+        self._due = self._clock.now() + self._every_s
+        self.renders += 1
+        return generate_latest(self._registry)
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.cancel()
+
+
+class _NotOurErrors(logging.Filter):
+    """aiohttp logs every request it cannot parse at ERROR, with a traceback; such a request is the client's
+    fault (answered 400), so anyone who reaches the port could fill our log. Those records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], HttpProcessingError))
+
+
+_server_log = logging.getLogger(f"{__name__}.server")
+_server_log.addFilter(_NotOurErrors())
+
+
+class _BoundedServer(web.Server):
+    """aiohttp's server, counting open connections in total and by peer address."""
+
+    def __init__(self, handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], limits: Limits) -> None:
+        super().__init__(
+            handler,
+            keepalive_timeout=limits.request_deadline_s,
+            lingering_time=0,  # a body is never read, not even to be discarded
+            max_line_size=limits.max_line_size,
+            max_field_size=limits.max_line_size,
+            max_headers=limits.max_headers,
+            access_log=None,
+            logger=_server_log,
+        )
+        self._limits = limits
+        self._peers: dict[web.RequestHandler, str] = {}
+        self._by_peer: Tally[str] = Tally()
+
+    def __call__(self) -> _Gate:  # type: ignore[override]
+        return _Gate(self)
+
+    def admit(self, transport: asyncio.Transport) -> web.RequestHandler | None:
+        """A handler for a connection just accepted, or None when it breaks a limit."""
+        peername = transport.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
+        if len(self._peers) >= self._limits.connections:
+            REFUSED.labels("connections").inc()
+            return None
+        if self._by_peer[peer] >= self._limits.connections_per_peer:
+            REFUSED.labels("connections_per_peer").inc()
+            return None
+        handler = super().__call__()
+        self._peers[handler] = peer
+        self._by_peer[peer] += 1
+        return handler
+
+    def connection_lost(self, handler: web.RequestHandler, exc: BaseException | None = None) -> None:
+        peer = self._peers.pop(handler, None)
+        if peer is not None:
+            self._by_peer[peer] -= 1
+            if not self._by_peer[peer]:
+                del self._by_peer[peer]
+        super().connection_lost(handler, exc)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._peers)
+
+
+class _Gate(asyncio.Protocol):
+    """The first protocol of every accepted connection: hands it to aiohttp, or resets it."""
+
+    def __init__(self, server: _BoundedServer) -> None:
+        self._server = server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        handler = self._server.admit(transport)
+        if handler is None:
+            transport.abort()  # RST: the descriptor is free at once (no TIME_WAIT, nothing to read)
+            return
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
 
 
 class HttpServer:
     """A listening endpoint; `cleanup()` stops it."""
 
-    def __init__(self, routes: Mapping[str, Handler]) -> None:
+    def __init__(self, routes: Mapping[str, Handler], limits: Limits) -> None:
         self._routes = routes
-        self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._limits = limits
+        #: called by `cleanup()` first: what the routes started (a render or a check in progress) stops
+        self.on_cleanup: list[Callable[[], None]] = []
+        self.server = _BoundedServer(self._handle, limits)
+        self._runner = web.ServerRunner(self.server, shutdown_timeout=1.0)
+        self._site: web.TCPSite | None = None
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._accept, host, port)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port, backlog=self._limits.connections)
+        try:
+            await self._site.start()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
 
     @property
     def port(self) -> int:
-        assert self._server is not None and self._server.sockets
-        return int(self._server.sockets[0].getsockname()[1])
+        assert self._site is not None
+        return self._site.port
 
     async def cleanup(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for task in list(self._connections):
-                task.cancel()
-            await asyncio.gather(*self._connections, return_exceptions=True)
-            await self._server.wait_closed()
-            self._server = None
+        for stop in self.on_cleanup:
+            stop()
+        await self._runner.cleanup()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         try:
-            await self._serve(reader, writer)
-        except (TimeoutError, ConnectionError, h11.ProtocolError):
-            pass  # a client that went away, idled or spoke no HTTP: nothing to answer
-        finally:
-            self._connections.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            async with asyncio.timeout(self._limits.answer_deadline_s):
+                response = await self._answer(request)
+                await response.prepare(request)
+                await response.write_eof()
+                return response
+        except TimeoutError:
+            # Not computed or not taken in time: drop the connection (aiohttp then writes nothing more).
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=503)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEADERS)
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                async with asyncio.timeout(IDLE_TIMEOUT_S):
-                    conn.receive_data(await reader.read(16 * 1024))
-                continue
-            if isinstance(event, h11.ConnectionClosed):
-                return
-            if not isinstance(event, h11.Request):
-                continue  # a body or the end of the request: ignored, the answer depends only on the path
-            method = event.method.decode("ascii", "replace")
-            path = event.target.decode("ascii", "replace").split("?", 1)[0]
-            handler = self._routes.get(path)
-            if method not in ("GET", "HEAD"):
-                status, ctype, body = 405, "text/plain; charset=utf-8", b"method not allowed\n"
-            elif handler is None:
-                status, ctype, body = 404, "text/plain; charset=utf-8", b"not found\n"
-            else:
-                answer = handler()
-                status, ctype, body = await answer if inspect.isawaitable(answer) else answer
-            headers = [("Content-Type", ctype), ("Content-Length", str(len(body)))]
-            out = conn.send(h11.Response(status_code=status, headers=headers)) or b""
-            if method != "HEAD":
-                out += conn.send(h11.Data(data=body)) or b""
-            out += conn.send(h11.EndOfMessage()) or b""
-            writer.write(out)
-            await writer.drain()
-            # Read the rest of the request (a client may send a body), then the next one or the end.
-            while conn.their_state is h11.SEND_BODY:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    async with asyncio.timeout(IDLE_TIMEOUT_S):
-                        conn.receive_data(await reader.read(16 * 1024))
-            if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE:
-                return
-            conn.start_next_cycle()
+    async def _answer(self, request: web.BaseRequest) -> web.Response:
+        if request.method not in ("GET", "HEAD"):
+            return _text(405, "method not allowed\n", Allow="GET, HEAD")
+        if request.body_exists:
+            response = _text(413, "request bodies are refused\n")
+            response.force_close()
+            return response
+        handler = self._routes.get(request.path)
+        if handler is None:
+            return _text(404, "not found\n")
+        answer = handler()
+        status, ctype, body = await answer if inspect.isawaitable(answer) else answer
+        return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+
+
+def _text(status: int, text: str, **headers: str) -> web.Response:
+    return web.Response(status=status, body=text.encode(), headers={"Content-Type": TEXT, **headers})
 
 
 async def start_http(
@@ -128,12 +267,18 @@ async def start_http(
     readiness: Readiness | None = None,
     registry: CollectorRegistry = REGISTRY,
     routes: Mapping[str, Handler] | None = None,
+    limits: Limits = Limits(),
 ) -> HttpServer:
     """Serve until `await server.cleanup()`. An empty metrics_path serves no metrics; `routes` adds paths."""
     host, port = parse_endpoint(endpoint)
-    served: dict[str, Handler] = {"/healthz": lambda: (200, "text/plain; charset=utf-8", b"ok\n"), **(routes or {})}
+    served: dict[str, Handler] = {"/healthz": lambda: (200, TEXT, b"ok\n"), **(routes or {})}
+    exposition = Exposition(registry, limits.metrics_every_s)
     if metrics_path:
-        served[metrics_path] = lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry))
+
+        async def metrics() -> Answer:
+            return 200, CONTENT_TYPE_LATEST, await exposition.text()
+
+        served[metrics_path] = metrics
     if readiness is not None:
         ready_fn = readiness
 
@@ -142,9 +287,10 @@ async def start_http(
             return 200 if ready else 503, "application/json", json.dumps(dict(details)).encode()
 
         served["/readyz"] = readyz
-    server = HttpServer(served)
+    server = HttpServer(served, limits)
+    server.on_cleanup.append(exposition.close)
     await server.start(host, port)
-    log.info("http serving endpoint=%s:%d metrics=%s", host, port, metrics_path or "(off)")
+    log.info("http serving endpoint=%s:%d metrics=%s", host, server.port, metrics_path or "(off)")
     return server
 
 

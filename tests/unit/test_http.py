@@ -1,15 +1,23 @@
-"""The shared HTTP endpoint (metrics, /healthz, /readyz) on a real socket."""
+"""The shared HTTP endpoint (metrics, /healthz, /readyz) on a real socket, and the bounds it keeps against
+clients that trickle, idle, flood, send bodies or do not read."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import socket
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
+import aiohttp
 import pytest
 
-from computedomain.http import EndpointError, bound_port, parse_endpoint, start_http
-from computedomain.metrics import CollectorRegistry, Counter
+from computedomain.http import REFUSED, EndpointError, Exposition, Limits, bound_port, parse_endpoint, start_http
+from computedomain.kube.clock import FakeClock
+from computedomain.metrics import CollectorRegistry, Counter, GaugeMetricFamily
 
 
 @pytest.mark.parametrize(
@@ -67,3 +75,210 @@ async def test_no_metrics_path_and_no_readiness() -> None:
         assert (await asyncio.to_thread(_get, base + "/healthz"))[0] == 200
     finally:
         await runner.cleanup()
+
+
+async def test_methods_and_bodies() -> None:
+    runner = await start_http("127.0.0.1:0", metrics_path="")
+    try:
+        base = f"http://127.0.0.1:{bound_port(runner)}"
+        async with aiohttp.ClientSession() as session:
+            async with session.head(base + "/healthz") as head:
+                assert head.status == 200 and head.headers["Content-Length"] == "3" and await head.read() == b""
+            async with session.post(base + "/healthz") as post:
+                assert post.status == 405 and post.headers["Allow"] == "GET, HEAD"
+            # A body is refused unread, and the connection closed (its bytes are never parsed).
+            async with session.get(base + "/healthz", data=b"x" * 100_000) as with_body:
+                assert with_body.status == 413 and with_body.headers.get("Connection") == "close"
+    finally:
+        await runner.cleanup()
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    try:
+        return await reader.read(1) == b""
+    except ConnectionError:
+        return True
+
+
+async def test_headers_trickled_a_byte_at_a_time_lose_the_connection() -> None:
+    """A client that sends its request head slowly holds a connection only until the request deadline, however
+    steadily it sends; today's server kept it as long as each byte came within its idle timeout."""
+    runner = await start_http("127.0.0.1:0", metrics_path="", limits=Limits(request_deadline_s=0.5))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", bound_port(runner))
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 200 + b"\r\n\r\n"
+        sent = 0
+        closed = False
+        for byte in head:  # a byte every 20 ms: ~5 s for the whole head, ten times the deadline
+            try:
+                writer.write(bytes([byte]))
+                await writer.drain()
+            except ConnectionError:
+                closed = True
+                break
+            sent += 1
+            await asyncio.sleep(0.02)
+            if reader.at_eof():
+                closed = True
+                break
+        closed = closed or await _closed_by_server(reader)
+        writer.close()
+        assert closed and sent < len(head), f"sent {sent} of {len(head)} bytes"
+        # A prompt client is answered as before.
+        assert (await asyncio.to_thread(_get, f"http://127.0.0.1:{bound_port(runner)}/healthz"))[0] == 200
+    finally:
+        await runner.cleanup()
+
+
+def _fds() -> int:
+    return sum(1 for _ in Path("/proc/self/fd").iterdir())
+
+
+def _refused(limit: str) -> float:
+    return REFUSED.labels(limit)._value.get()
+
+
+async def test_idle_connections_cannot_exhaust_descriptors() -> None:
+    """Three hundred connections that never send a byte: the server keeps at most its cap open (the shipped
+    caps), resets the others at once, and closes the ones it kept at the request deadline."""
+    limits = dataclasses.replace(Limits(), request_deadline_s=0.5)
+    runner = await start_http("127.0.0.1:0", metrics_path="", limits=limits)
+    port = bound_port(runner)
+    clients: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    before, refused_before = _fds(), _refused("connections") + _refused("connections_per_peer")
+    try:
+        for i in range(300):
+            # From several loopback addresses, so that both the per-peer and the total cap are reached.
+            sock = socket.socket()
+            sock.bind((f"127.0.0.{2 + i % 12}", 0))
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            clients.append(await asyncio.open_connection(sock=sock))
+        await asyncio.sleep(0.2)  # let the server see them all
+        server_side = _fds() - before - len(clients)
+        assert server_side <= limits.connections, server_side
+        assert runner.server.open_connections <= limits.connections
+        refused = _refused("connections") + _refused("connections_per_peer") - refused_before
+        assert refused >= len(clients) - limits.connections
+        assert all([await _closed_by_server(reader) for reader, _ in clients])
+        assert runner.server.open_connections == 0
+    finally:
+        for _, writer in clients:
+            writer.close()
+        await runner.cleanup()
+
+
+async def test_a_client_that_does_not_read_the_answer_loses_the_connection() -> None:
+    registry = CollectorRegistry()
+
+    class Big:
+        def collect(self) -> Iterator[GaugeMetricFamily]:
+            family = GaugeMetricFamily("t_big", "Many series.", labels=["i"])
+            for i in range(100_000):
+                family.add_metric([f"{i:040d}"], i)
+            yield family
+
+    registry.register(Big())
+    runner = await start_http("127.0.0.1:0", metrics_path="/metrics", registry=registry,
+                              limits=Limits(answer_deadline_s=0.5))  # fmt: skip
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", bound_port(runner)))
+        _, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        for _ in range(100):  # never reads; the server gives up at the deadline
+            await asyncio.sleep(0.05)
+            if not runner.server.open_connections:
+                break
+        assert runner.server.open_connections == 0
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_flood_of_scrapes_costs_one_render_per_interval() -> None:
+    registry = CollectorRegistry()
+    renders: list[int] = []
+
+    class Counted:
+        def collect(self) -> Iterator[GaugeMetricFamily]:
+            renders.append(1)
+            yield GaugeMetricFamily("t_renders", "Renders so far.", len(renders))
+
+    registry.register(Counted())
+    runner = await start_http("127.0.0.1:0", metrics_path="/metrics", registry=registry)
+    try:
+        url = f"http://127.0.0.1:{bound_port(runner)}/metrics"
+        # Forty at once, from five addresses (eight connections each, the per-peer cap).
+        sessions = [
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8, local_addr=(f"127.0.0.{2 + i}", 0)))
+            for i in range(5)
+        ]
+
+        async def scrape(session: aiohttp.ClientSession) -> str:
+            async with session.get(url) as resp:
+                return await resp.text()
+
+        try:
+            bodies = await asyncio.gather(*(scrape(sessions[i % 5]) for i in range(40)))
+        finally:
+            await asyncio.gather(*(s.close() for s in sessions))
+        # The first renders at once; the 39 that came within the interval share the next render.
+        assert len(renders) == 2
+        assert {b.split("\nt_renders ")[1].split()[0] for b in bodies} == {"1.0", "2.0"}
+    finally:
+        await runner.cleanup()
+
+
+async def test_exposition_never_serves_values_from_before_a_scrape() -> None:
+    registry = CollectorRegistry()
+    counter = Counter("t_things", "Things.", registry=registry)
+    clock = FakeClock()
+    exposition = Exposition(registry, every_s=1.0, clock=clock)
+    assert b"t_things_total 0.0" in await exposition.text()
+    counter.inc()
+    waiting = [asyncio.create_task(exposition.text()) for _ in range(10)]
+    await clock.advance(0.5)
+    assert not any(t.done() for t in waiting)
+    await clock.advance(0.5)
+    assert {await t for t in waiting} == {await waiting[0]} and b"t_things_total 1.0" in await waiting[0]
+    assert exposition.renders == 2
+    await clock.advance(5)
+    counter.inc()
+    assert b"t_things_total 2.0" in await exposition.text()  # idle long enough: rendered at once
+    assert exposition.renders == 3
+
+
+async def _raw(port: int, head: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        return await reader.read(200)
+    except ConnectionError:
+        return b""
+    finally:
+        writer.close()
+
+
+async def test_request_heads_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    """Lines of 4 KiB and 32 headers at most; a bad request is the client's: answered 400, never logged as our
+    error (aiohttp logs each one with its traceback at ERROR)."""
+    runner = await start_http("127.0.0.1:0", metrics_path="")
+    port = bound_port(runner)
+    try:
+        ok = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 4000) for i in range(30))
+        assert (await _raw(port, ok + b"\r\n")).startswith(b"HTTP/1.1 200 ")
+        long_line = b"GET /healthz HTTP/1.1\r\nX-Long: " + b"a" * 5000 + b"\r\n\r\n"
+        many = b"GET /healthz HTTP/1.1\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(40)) + b"\r\n"
+        long_path = b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\n\r\n"
+        for head in (long_line, many, long_path):
+            answer = await _raw(port, head)
+            assert answer[:13] in (b"HTTP/1.0 400 ", b"HTTP/1.1 400 ") or answer == b"", answer[:80]
+        assert (await _raw(port, b"\x16\x03\x01 not HTTP\r\n\r\n"))[:13] in (b"HTTP/1.0 400 ", b"HTTP/1.1 400 ")
+    finally:
+        await runner.cleanup()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

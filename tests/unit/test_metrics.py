@@ -40,7 +40,7 @@ DEFAULTS = {
     "process_open_fds": ["gauge", []],
     "process_max_fds": ["gauge", []],
 }
-#: the Kubernetes I/O layer: in every process
+#: the Kubernetes I/O layer and the HTTP endpoint: in every process
 KUBE = {
     "computedomain_kube_api_requests": ["counter", ["code", "resource", "verb"]],
     "computedomain_kube_api_request_duration_seconds": ["histogram", ["resource", "verb"]],
@@ -61,6 +61,7 @@ KUBE = {
     "computedomain_reconcile": ["counter", ["name", "result"]],
     "computedomain_reconcile_time_seconds": ["histogram", ["name", "result"]],
     "computedomain_reconcile_escalations": ["counter", ["name", "severity"]],
+    "computedomain_http_refused_connections": ["counter", ["limit"]],
 }
 CONTROLLER = {
     **DEFAULTS,
