@@ -3,8 +3,8 @@
 Sequence:
 
 1. Validate the identity (CD UID from CDI, pod identity from the downward API); connect to the apiserver;
-   answer the pod's probes on ``<pod IP>:CHECK_PORT`` (``GET /ready``: ``check``'s verdict, 200 only on
-   exactly READY), so a probe costs an ``nvidia-imex-ctl`` exec instead of a fresh Python.
+   answer the pod's probes on ``<pod IP>:CHECK_PORT`` (``probe``: ``GET /ready``, ``check``'s verdict, 200
+   only on exactly READY, one ctl for any number of requests).
 2. Label our own pod ``resource.nvidia.com/computeDomain.cliqueID=<CLIQUE_ID>`` (JSON merge patch). The value
    is empty on a node without NVLink fabric: that label *is* such a node's registration. It cannot have a
    ComputeDomainClique (``<uid>.`` is no valid name), so the controller reports it from the pod (IP, Ready
@@ -34,24 +34,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from computedomain.api.constants import CLIQUE_LABEL
 from computedomain.atomic import write_atomically
-from computedomain.http import Answer, EndpointError, HttpServer, start_http
+from computedomain.http import EndpointError
 from computedomain.kube.client import PODS, KubeClient
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.converge import Retries
 from computedomain.kube.errors import KubeError
 from computedomain.kube.informer import Informer
-from computedomain.kube.informer import problems as informer_problems
 from computedomain.kube.version import UnsupportedServerError, require_supported
 from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
-from imex.daemon.check import CheckResult, check
 from imex.daemon.peers import PeerFiles, PeerSync
+from imex.daemon.probe import serve_check
 from imex.daemon.process import ImexProcess
 from imex.daemon.readiness import ReadinessMirror
 from imex.daemon.registration import (
@@ -63,7 +62,6 @@ from imex.daemon.registration import (
     pod_owner_reference,
 )
 from imex.daemon.settings import DaemonSettings
-from imex.host_check import ImexState
 
 __all__ = ["Daemon", "run_daemon"]
 
@@ -173,50 +171,6 @@ async def run_daemon(
     finally:
         if own_client:
             await client.close()
-
-
-async def serve_check(
-    settings: DaemonSettings, caches: Sequence[Informer[Any]] = (), *, clock: Clock | None = None
-) -> HttpServer | None:
-    """The probes' endpoint: ``GET /ready`` runs ``check`` (the ctl, with its deadline) on every request, and
-    answers 503 while one of ``caches`` is refused (a Forbidden list or watch: the message names the verb and
-    the resource), since a daemon that cannot see its peers or its pod is not serving its domain.
-
-    IMEX leaves READY for the moment it connects to a peer that just joined (every SIGUSR1 that maps a new
-    peer), and the readiness probe is strict (period 10 s, one failure): a probe that landed in that moment
-    marked the pod NotReady for a whole period, so the domain flapped NotReady whenever a node joined. While
-    the ctl answers WAITING_FOR_PEERS, the answer is the first READY within ``SETTLE_S`` (checked again every
-    ``SETTLE_EVERY_S``), else the last verdict: a peer that does not connect still fails the probe."""
-    if not settings.check_port:
-        return None
-    settle_clock = clock or MonotonicClock()
-
-    async def ready() -> Answer:
-        refused = informer_problems(*caches)
-        if refused:
-            return 503, "text/plain; charset=utf-8", ("; ".join(refused) + "\n").encode()
-        result = await settled_check(settings, settle_clock)
-        return 200 if result.ready else 503, "text/plain; charset=utf-8", f"{result.message}\n".encode()
-
-    host = f"[{settings.pod_ip}]" if ":" in settings.pod_ip else settings.pod_ip
-    return await start_http(f"{host}:{settings.check_port}", metrics_path="", routes={"/ready": ready})
-
-
-#: how long ``GET /ready`` waits for a WAITING_FOR_PEERS daemon to turn READY (well inside the probe's 10 s)
-SETTLE_S = 4.0
-SETTLE_EVERY_S = 0.2
-
-
-async def settled_check(
-    settings: DaemonSettings, clock: Clock, *, run: Callable[..., Awaitable[CheckResult]] = check
-) -> CheckResult:
-    """``check``, again while IMEX is between peers (see ``serve_check``), for at most ``SETTLE_S``."""
-    deadline = clock.now() + SETTLE_S
-    result = await run(settings)
-    while result.state is ImexState.WAITING_FOR_PEERS and clock.now() < deadline:
-        await clock.sleep(SETTLE_EVERY_S)
-        result = await run(settings)
-    return result
 
 
 async def _run(settings: DaemonSettings, client: KubeClient, stop: asyncio.Event) -> int:

@@ -1,5 +1,5 @@
 """``check``: ready only on exactly READY from a ctl that exited 0; a hung ctl is killed; no clique is ready;
-and the same verdict over the daemon's probe endpoint."""
+and the same verdict over the daemon's probe endpoint, one ctl for any number of requests."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
@@ -16,7 +17,7 @@ from computedomain.kube.informer import Informer
 from computedomain.kube.transport import Endpoint, Transport
 from computedomain.settings import load_settings
 from imex.daemon.check import CheckResult, check, is_ready_output, report
-from imex.daemon.run import SETTLE_EVERY_S, SETTLE_S, serve_check, settled_check
+from imex.daemon.probe import FRESH_S, SETTLE_EVERY_S, SETTLE_S, SharedCheck, serve_check, settled_check
 from imex.daemon.settings import DaemonSettings
 from imex.host_check import CommandResult, ImexState
 
@@ -104,22 +105,27 @@ async def test_the_daemon_answers_its_probes_with_the_check(tmp_path: Path) -> N
     peers: Informer[object] = Informer(
         KubeClient(Transport(Endpoint("http", "127.0.0.1", 9))), COMPUTE_DOMAIN_CLIQUES, decode=lambda raw: raw
     )
-    server = await serve_check(daemon, [peers])
+    clock = FakeClock()
+    server = await serve_check(daemon, [peers], clock=clock)
     assert server is not None
-    transport = Transport(Endpoint("http", "127.0.0.1", port))
+    session = aiohttp.ClientSession(f"http://127.0.0.1:{port}")
+
+    async def get(path: str) -> tuple[int, bytes]:
+        async with session.get(path) as resp:
+            return resp.status, await resp.read()
+
     try:
-        waiting = await transport.request("GET", "/ready", within=5)
-        assert waiting.status == 503 and b"state INITIALIZING" in waiting.body
+        status, body = await get("/ready")
+        assert status == 503 and b"state INITIALIZING" in body
         state.write_text("READY")
-        ready = await transport.request("GET", "/ready", within=5)
-        assert (ready.status, ready.body) == (200, b"READY\n")
+        await clock.advance(FRESH_S)  # the verdict answers the requests of the next FRESH_S
+        assert await get("/ready") == (200, b"READY\n")
         # A cache the apiserver refuses (as the informer records a Forbidden list or watch): unready, and why.
         peers.failure = "forbidden: watch computedomaincliques in ns: grant it"
-        refused = await transport.request("GET", "/ready", within=5)
-        assert (refused.status, refused.body) == (503, b"forbidden: watch computedomaincliques in ns: grant it\n")
-        assert (await transport.request("GET", "/healthz", within=5)).status == 200
+        assert await get("/ready") == (503, b"forbidden: watch computedomaincliques in ns: grant it\n")
+        assert (await get("/healthz"))[0] == 200
     finally:
-        await transport.close()
+        await session.close()
         await server.cleanup()
     assert await serve_check(settings(tmp_path, CHECK_PORT="0")) is None
 
@@ -161,3 +167,53 @@ async def test_ready_answers_other_states_at_once(tmp_path: Path) -> None:
     calls, run = _states("INITIALIZING", "READY")
     result = await settled_check(settings(tmp_path), FakeClock(), run=run)  # type: ignore[arg-type]
     assert not result.ready and calls == ["INITIALIZING"]
+
+
+async def test_a_flood_of_probe_requests_runs_one_ctl(tmp_path: Path) -> None:
+    """Any pod may reach the probe port: forty requests at once and forty more after them start the ctl once
+    (main forked it once per request, up to twenty times each while IMEX waited for a peer)."""
+    ctl, runs = tmp_path / "ctl", tmp_path / "runs"
+    ctl.write_text(f"#!/bin/sh\necho run >> {runs}\nsleep 0.2\necho READY\n")
+    ctl.chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = settings(tmp_path, IMEX_CTL_BINARY=str(ctl), POD_IP="127.0.0.1", CHECK_PORT=str(port))
+    clock = FakeClock()
+    server = await serve_check(daemon, clock=clock)
+    assert server is not None
+    try:
+        sessions = [  # eight connections from each of five addresses (the endpoint's per-peer cap)
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8, local_addr=(f"127.0.0.{2 + i}", 0)))
+            for i in range(5)
+        ]
+
+        async def ready(session: aiohttp.ClientSession) -> int:
+            async with session.get(f"http://127.0.0.1:{port}/ready") as resp:
+                return resp.status
+
+        try:
+            first = await asyncio.gather(*(ready(sessions[i % 5]) for i in range(40)))
+            then = await asyncio.gather(*(ready(sessions[i % 5]) for i in range(40)))
+            assert first == then == [200] * 40
+            assert runs.read_text().splitlines() == ["run"]
+            await clock.advance(FRESH_S)
+            assert await ready(sessions[0]) == 200
+            assert runs.read_text().splitlines() == ["run", "run"]
+        finally:
+            await asyncio.gather(*(s.close() for s in sessions))
+    finally:
+        await server.cleanup()
+
+
+async def test_shared_check_waits_with_the_one_in_flight_and_reuses_its_verdict(tmp_path: Path) -> None:
+    clock = FakeClock()
+    calls, run = _states("WAITING_FOR_PEERS", "READY", "INITIALIZING")
+    shared = SharedCheck(settings(tmp_path), clock, run=run)  # type: ignore[arg-type]
+    waiting = [asyncio.create_task(shared.verdict()) for _ in range(10)]
+    await clock.advance(SETTLE_EVERY_S + 0.01)  # IMEX between peers: one settling pass for all ten
+    assert all(t.done() and t.result().ready for t in waiting) and calls == ["WAITING_FOR_PEERS", "READY"]
+    await clock.advance(FRESH_S / 2)
+    assert (await shared.verdict()).ready and len(calls) == 2  # still fresh
+    await clock.advance(FRESH_S)
+    assert not (await shared.verdict()).ready and calls[-1] == "INITIALIZING"
