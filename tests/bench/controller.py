@@ -18,7 +18,7 @@ clock, this process), failures counted apart.
    samples per round; clique entries are written by this process, standing in for the daemons).
 4. **Scale**: `BENCH_SCALE` (1,000) domains on `BENCH_NODES` (2,000) GB200 Node objects: create -> all Ready,
    how long the domains' Ready Events trail the last Ready (each is recorded when its status write returns;
-   read from the controller's metrics every 20 ms, so to within a scrape, tens of ms at 1,000 domains) and
+   read from the controller's metrics, which it renders at most once a second: to within that second) and
    the requests in that time, then the idle window (`BENCH_IDLE`, 30 s from the moment all were Ready
    and their Events written: the API requests the controller makes in it, Events and watches included,
    beside the reference's 5, and its CPU), its RSS, then delete ->
