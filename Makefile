@@ -19,13 +19,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv with the pinned Python dependencies (idempotent)
 
-testbin: ## build the control plane, helm and the real nodes' kubelet, containerd, runc (cached by version)
+testbin: ## build the control plane, kwok, helm and the real nodes' kubelet, containerd, runc (cached by version)
 	@testbin/build.sh >/dev/null
 
 image: install testbin ## the project's image as an OCI archive, without Docker (cached by content; prints size)
 	@$(PY) -m tests.testbed.image
 
-cluster-up: install testbin ## start the local control plane; kubeconfig at .cluster/kubeconfig
+# The control plane's binaries build while the virtual environment installs (a first run waits for both).
+cluster-up: ## start the local control plane (builds only its binaries); kubeconfig at .cluster/kubeconfig
+	@setsid -w testbin/build.sh control-plane >/dev/null & build=$$!; trap 'kill -- -$$build 2>/dev/null' INT TERM; \
+	  if ! $(MAKE) --no-print-directory install; then kill -- -$$build 2>/dev/null; exit 1; fi; wait $$build
 	@$(PY) -m tests.testbed.cluster up
 
 cluster-down: install ## stop the local control plane

@@ -5,6 +5,9 @@ Commands:
   controller [flags]                           run the ComputeDomain controller (flags mirror the env vars)
   kubelet-plugin [flags]                       run the node agent (DRA kubelet plugin; flags mirror the env vars)
   status NAME [-n NAMESPACE]                   show a ComputeDomain: status, conditions, daemons per clique
+  validate --image IMAGE [-n NS] [--count N]   check the installation end to end on N nodes (a ComputeDomain,
+                                               a pod per node, channels, IMEX daemons); a table and a verdict
+  validate-channel                             (the validation pods' check of their channel device)
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from computedomain.logs import configure_logging
 from computedomain.settings import (
@@ -49,20 +53,39 @@ def _status(argv: list[str]) -> int:
 
     async def show() -> int:
         from computedomain.kube.client import KubeClient
-        from computedomain.kube.errors import NotFound
+        from computedomain.kube.config import ConfigError
+        from computedomain.kube.errors import KubeError, NotFound, explain
         from computedomain.status_view import gather
 
-        client = await KubeClient.connect(kubeconfig=args.kubeconfig or None)
+        try:
+            client = await KubeClient.connect(kubeconfig=args.kubeconfig or None)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         try:
             print(await gather(client, args.name, args.namespace))
         except NotFound:
             print(f"error: ComputeDomain {args.namespace}/{args.name} not found", file=sys.stderr)
+            return 1
+        except KubeError as exc:
+            print(f"error: {explain(exc)} (apiserver {client.host})", file=sys.stderr)
             return 1
         finally:
             await client.close()
         return 0
 
     return asyncio.run(show())
+
+
+def _run(process: Coroutine[Any, Any, int]) -> int:
+    """A process's main; credentials it cannot use end it with one line (no traceback), exit status 2."""
+    from computedomain.kube.config import ConfigError
+
+    try:
+        return asyncio.run(process)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,15 +105,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from computedomain.controller.app import main as run_controller
 
             configure_logging(controller_settings)
-            return asyncio.run(run_controller(controller_settings))
+            return _run(run_controller(controller_settings))
         if command == "kubelet-plugin":
             plugin_settings = load_settings(PluginSettings, rest)
             from computedomain.plugin.app import main as run_plugin
 
             configure_logging(plugin_settings)
-            return asyncio.run(run_plugin(plugin_settings))
+            return _run(run_plugin(plugin_settings))
         if command == "status":
             return _status(rest)
+        if command in ("validate", "validate-channel"):
+            from computedomain import validate
+
+            return validate.main(rest) if command == "validate" else validate.channel_main()
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -176,6 +176,98 @@ class EndpointError(SettingsError):
     """An `HTTP_ENDPOINT` that is not `host:port`."""
 
 
+# --- IMEX config overrides and the daemon pods ----------------------------------------------------------
+
+# nvidia-imex settings the service writes itself and relies on: overriding one would break a domain's
+# daemons on every node, so it is refused (the reference refuses the first two).
+DRIVER_OWNED_IMEX_KEYS: Final[Mapping[str, str]] = {
+    "IMEX_CMD_BIND_INTERFACE_IP": "the pod IP, where the probes reach the command service",
+    "IMEX_NODE_CONFIG_FILE": "the domain's nodes.cfg, which the daemon writes",
+    "IMEX_CMD_ENABLED": "the probes need the command service",
+    "IMEX_CMD_PORT": "the probes and the daemons' NetworkPolicy use 50005",
+    "SERVER_PORT": "the peers and the daemons' NetworkPolicy use 50000",
+    "DAEMONIZE": "the daemon supervises nvidia-imex in the foreground",
+}
+MAX_IMEX_OVERRIDES: Final = 64
+MAX_IMEX_OVERRIDE_VALUE: Final = 1024
+_IMEX_KEY = re.compile(r"[A-Z][A-Z0-9_]{0,63}", re.ASCII)
+_NEWLINE = re.compile(r"[\r\n]")
+
+
+def parse_imex_config_overrides(text: str) -> dict[str, str]:
+    """IMEX_CONFIG_OVERRIDES, the reference's ``KEY=VALUE,KEY=VALUE,`` form of the chart's map
+    ``resources.computeDomains.imex.config``: nvidia-imex settings written over (or added to) the daemons'
+    imexd.cfg. Empty items are ignored and keys and values trimmed, as the reference does. Refused, with one
+    line naming the key: a newline in a key or value (it would add a line of its own to the file), a key that
+    is not an IMEX setting name, a key the service owns, and more than the bounds allow."""
+    overrides: dict[str, str] = {}
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if _NEWLINE.search(key):
+            raise SettingsError(f"IMEX_CONFIG_OVERRIDES: key {brief(key)} contains a newline; one key per setting")
+        if _NEWLINE.search(value):
+            raise SettingsError(
+                f"IMEX_CONFIG_OVERRIDES: the value of {brief(key)} contains a newline; a value is one line"
+            )
+        if not sep or not _IMEX_KEY.fullmatch(key):
+            raise SettingsError(
+                f"IMEX_CONFIG_OVERRIDES: item {brief(item)} must look like KEY=VALUE with an nvidia-imex setting "
+                "name (upper case, digits, '_') as KEY, and no ',' in VALUE"
+            )
+        if key in DRIVER_OWNED_IMEX_KEYS:
+            raise SettingsError(
+                f"IMEX_CONFIG_OVERRIDES: {key} is set by the service ({DRIVER_OWNED_IMEX_KEYS[key]}); remove it"
+            )
+        if len(value) > MAX_IMEX_OVERRIDE_VALUE or _CONTROL.search(value):
+            raise SettingsError(
+                f"IMEX_CONFIG_OVERRIDES: the value of {key} must be printable and at most "
+                f"{MAX_IMEX_OVERRIDE_VALUE} characters"
+            )
+        overrides[key] = value
+    if len(overrides) > MAX_IMEX_OVERRIDES:
+        raise SettingsError(f"IMEX_CONFIG_OVERRIDES: {len(overrides)} settings, at most {MAX_IMEX_OVERRIDES}")
+    return overrides
+
+
+def render_imex_config_overrides(overrides: Mapping[str, str]) -> str:
+    """The inverse of `parse_imex_config_overrides`, in the chart's order (sorted keys)."""
+    return "".join(f"{key}={overrides[key]}," for key in sorted(overrides))
+
+
+# A PriorityClass name: a DNS subdomain.
+_PRIORITY_CLASS = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", re.ASCII)
+# Quantities of a container's resources (Kubernetes' quantity syntax, without exponents).
+_QUANTITY = re.compile(r"[0-9]{1,15}(\.[0-9]{1,9})?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?", re.ASCII)
+
+
+def parse_daemon_resources(text: str) -> dict[str, str]:
+    """CD_DAEMON_RESOURCES (chart: ``controller.daemonResources``), ``cpu=250m,memory=256Mi,``: the IMEX daemon
+    container's requests and limits both, so its pods are of the Guaranteed QoS class. Both resources or
+    none."""
+    resources: dict[str, str] = {}
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or name not in ("cpu", "memory"):
+            raise SettingsError(f"CD_DAEMON_RESOURCES: item {brief(item)} must be cpu=QUANTITY or memory=QUANTITY")
+        if not _QUANTITY.fullmatch(value) or not any(c in "123456789" for c in value):
+            raise SettingsError(
+                f"CD_DAEMON_RESOURCES: {name} {brief(value)} is not a positive quantity (e.g. 250m, 256Mi)"
+            )
+        resources[name] = value
+    if resources and set(resources) != {"cpu", "memory"}:
+        raise SettingsError(
+            "CD_DAEMON_RESOURCES: set both cpu and memory (requests equal to limits: Guaranteed QoS), or neither"
+        )
+    return resources
+
+
 # --- Settings objects ----------------------------------------------------------------------------------
 
 
@@ -448,6 +540,19 @@ class ControllerSettings(CommonSettings):
         "RETRY_BACKOFF_INITIAL", "first delay before a failed reconcile is retried (doubles)", default=0.005
     )
     retry_backoff_max: float = setting("RETRY_BACKOFF_MAX", "longest delay between retries", default=300.0)
+    imex_config_overrides_text: str = setting(
+        "IMEX_CONFIG_OVERRIDES",
+        "driverManaged: nvidia-imex settings over the daemons' defaults, KEY=VALUE,KEY=VALUE (checked at start)",
+        default="",
+    )
+    daemon_priority_class: str = setting(
+        "CD_DAEMON_PRIORITY_CLASS_NAME", "PriorityClass of the IMEX daemon pods; empty: none", default=""
+    )
+    daemon_resources_text: str = setting(
+        "CD_DAEMON_RESOURCES",
+        "requests and limits of the IMEX daemon container, cpu=250m,memory=256Mi (Guaranteed QoS); empty: none",
+        default="",
+    )
     imex_channel_count: int = setting(
         "IMEX_CHANNEL_COUNT",
         "IMEX channels of every node (NVreg_ImexChannelCount): IMEX_ISOLATION=channel assigns 1 to this - 1",
@@ -463,6 +568,13 @@ class ControllerSettings(CommonSettings):
         if self.http_endpoint:
             parse_endpoint(self.http_endpoint)
         check_max_nodes(self.max_nodes_per_imex_domain)
+        parse_imex_config_overrides(self.imex_config_overrides_text)
+        if self.daemon_priority_class and not _PRIORITY_CLASS.fullmatch(self.daemon_priority_class):
+            raise SettingsError(
+                f"CD_DAEMON_PRIORITY_CLASS_NAME {brief(self.daemon_priority_class)} is not a PriorityClass name "
+                "(a lower-case DNS subdomain, e.g. system-node-critical)"
+            )
+        parse_daemon_resources(self.daemon_resources_text)
         if not 2 <= self.imex_channel_count <= MAX_IMEX_CHANNEL_COUNT:
             raise SettingsError(
                 f"IMEX_CHANNEL_COUNT {self.imex_channel_count!r} must be between 2 and {MAX_IMEX_CHANNEL_COUNT} "
@@ -482,6 +594,15 @@ class ControllerSettings(CommonSettings):
             )
         if self.leader_election_enabled and not self.pod_name:
             raise SettingsError("POD_NAME is required with LEADER_ELECTION_ENABLED=true (set it from the downward API)")
+
+    @property
+    def imex_config_overrides(self) -> dict[str, str]:
+        """driverManaged only: in hostManaged mode the host owns its IMEX config (the reference ignores it too)."""
+        return {} if self.host_managed else parse_imex_config_overrides(self.imex_config_overrides_text)
+
+    @property
+    def daemon_resources(self) -> dict[str, str]:
+        return parse_daemon_resources(self.daemon_resources_text)
 
     @property
     def pull_secrets(self) -> tuple[str, ...]:
@@ -539,7 +660,7 @@ class PluginSettings(CommonSettings):
     metrics_path: str = setting("METRICS_PATH", "path of the metrics endpoint", default="/metrics")
     imex_channel_claims_per_node: int = setting(
         "IMEX_CHANNEL_CLAIMS_PER_NODE",
-        "IMEX_ISOLATION=channel: channel devices this node publishes, i.e. channel claims prepared here at once",
+        "channel devices this node publishes, i.e. channel claims prepared here at once",
         default=8,
     )
 
@@ -687,7 +808,10 @@ __all__ = [
     "check_node_name",
     "describe",
     "load_settings",
+    "parse_daemon_resources",
     "parse_endpoint",
+    "parse_imex_config_overrides",
+    "render_imex_config_overrides",
     "setting",
     "validate_host_socket_path",
 ]

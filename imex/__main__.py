@@ -39,9 +39,14 @@ def _daemon(command: str, rest: list[str]) -> int:
         from computedomain.logs import configure_logging
 
         configure_logging(settings)
+        from computedomain.kube.config import ConfigError
         from imex.daemon.run import run_daemon
 
-        return asyncio.run(run_daemon(settings))
+        try:
+            return asyncio.run(run_daemon(settings))
+        except ConfigError as exc:  # credentials it cannot use: one line, no traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(f"error: unknown daemon command {command!r}; use run or check", file=sys.stderr)
     return 2
 

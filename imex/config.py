@@ -51,12 +51,15 @@ def render_imexd_cfg(
     cmd_port: int = IMEX_CMD_PORT,
     cmd_unix_domain_path: str = "",
     bind_interface_ip: str = "",
+    overrides: Mapping[str, str] | None = None,
 ) -> str:
     """``imexd.cfg`` for one daemon. ``cmd_bind_ip`` is the pod IP.
 
     BIND_INTERFACE_IP stays empty by default: IMEX then finds its own address by matching local
     interfaces against ``nodes.cfg``, which is how one static nodes file serves every node. Auth and GSS
     keys are left out: encryption is off, and the daemon uses its defaults for anything unset.
+    ``overrides`` (the operator's IMEX_CONFIG_OVERRIDES, checked by the settings) replace the value of a key
+    written here, or are added after them.
     """
     _check_ip(cmd_bind_ip, "IMEX_CMD_BIND_INTERFACE_IP")
     if bind_interface_ip:
@@ -85,11 +88,17 @@ def render_imexd_cfg(
         ("IMEX_CMD_UNIX_DOMAIN_PATH", cmd_unix_domain_path, ""),
         ("IMEX_NODE_DISCONNECTED_GRACE_TIME", "-1", "never drop a lost peer's imports on a timer"),
     ]
+    extra = dict(overrides or {})
     lines = ["# Written by the ComputeDomain IMEX daemon; regenerated at every start."]
     for key, value, why in values:
+        if key in extra:
+            value, why = extra.pop(key), "set by IMEX_CONFIG_OVERRIDES"
         if why:
             lines.append(f"# {why}")
         lines.append(f"{key}={value}")
+    if extra:
+        lines.append("# Added by IMEX_CONFIG_OVERRIDES")
+        lines.extend(f"{key}={value}" for key, value in extra.items())
     return "\n".join(lines) + "\n"
 
 

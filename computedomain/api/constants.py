@@ -23,6 +23,10 @@ DAEMON_DEVICE_CLASS: Final = "compute-domain-daemon.nvidia.com"
 # Under channel isolation a channel device is a place for one claim; which IMEX channel the container gets
 # is its ComputeDomain's (design note 0012).
 ISOLATED_CHANNEL_DEVICE_CLASS: Final = "compute-domain-channel.nvidia.com"
+# Ours (IMEX_ISOLATION=domain, driverManaged): the ComputeDomain (UID) whose IMEX domain holds a node, as a
+# string attribute of that node's channel devices; a domain's workload template selects only devices that
+# carry no holder or its own (design note 0014).
+HOLDER_ATTRIBUTE: Final = "domain"
 # Never assigned under channel isolation: it is the channel every workload shares without it.
 SHARED_IMEX_CHANNEL: Final = 0
 

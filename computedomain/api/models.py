@@ -206,9 +206,10 @@ class ComputeDomainClique(_ApiModel):
     prepared_claims: list[PreparedClaim] | None = Field(
         None,
         alias="preparedClaims",
-        description="hostManaged with channel isolation: the claims prepared with the channel, on any node; "
+        description="hostManaged with channel isolation: the claims prepared with the channel, on any node, "
+        "one entry per claim and node (each node agent trusts only its own node's entries); "
         "the channel stays reserved until none is left.",
-        json_schema_extra=_listmap("claimUID"),
+        json_schema_extra=_listmap("claimUID", "nodeName"),
     )
 
     @property

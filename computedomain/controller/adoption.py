@@ -51,9 +51,10 @@ from computedomain.api.constants import (
     TEMPLATE_TARGET_WORKLOAD,
 )
 from computedomain.api.limits import shown
-from computedomain.api.models import ComputeDomain, Condition, ConditionStatus
+from computedomain.api.models import ComputeDomain, Condition
 from computedomain.controller.daemonset import DAEMON_COMMAND
 from computedomain.controller.observed import Child, ChildKind
+from computedomain.controller.status import true_condition
 from computedomain.settings import ControllerSettings
 
 FOREIGN_CONDITION = "ForeignObjects"
@@ -175,12 +176,4 @@ def foreign_condition(cd: ComputeDomain, foreign: Sequence[Foreign], now: dateti
     """The ``ForeignObjects`` condition while labelled objects are not adopted; None when there are none."""
     if not foreign:
         return None
-    old = next((c for c in (cd.status.conditions or ()) if c.type == FOREIGN_CONDITION), None) if cd.status else None
-    return Condition(
-        type=FOREIGN_CONDITION,
-        status=ConditionStatus.TRUE,
-        observed_generation=cd.metadata.generation or None,
-        last_transition_time=old.last_transition_time if old is not None else now,
-        reason=REASON_NOT_ADOPTED,
-        message=foreign_message(foreign),
-    )
+    return true_condition(cd, FOREIGN_CONDITION, reason=REASON_NOT_ADOPTED, message=foreign_message(foreign), now=now)

@@ -23,15 +23,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Final
 
-from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, GROUP_VERSION
+from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, GPU_CLIQUE_NODE_LABEL, GROUP_VERSION
 from computedomain.api.models import ComputeDomainClique
 from computedomain.controller import channels
 from computedomain.controller.caches import Caches
 from computedomain.controller.channels import (
     Action,
     CheckHolders,
+    CliqueSpace,
     CreateLock,
     DeleteLock,
     Gone,
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROUNDS: Final = 16
 NODE_MEMO_S: Final = 30.0
+UNBOUND_RECHECK_S: Final = 5.0
 
 CHANNEL_WRITES = Counter(
     "computedomain_controller_imex_channel_writes_total",
@@ -69,16 +72,26 @@ class ChannelAssigner:
         self.client = writer.client
         self.caches: Caches = writer.caches
         self.count = settings.imex_channel_count
-        self._nodes: dict[str, tuple[bool, float]] = {}
+        self._nodes: dict[str, tuple[str | None, float]] = {}
 
     async def reconcile(self, clique_id: str) -> ReconcileResult:
         space = self.caches.clique_space(clique_id)
+        space = replace(space, unbound=await self._unbound(space))
+        for name in sorted(space.unbound):
+            log.info(
+                "no IMEX channel for %s/%s: it lists no claim of a node labelled %s=%s (a node agent asks only "
+                "in its own clique); checked again shortly",
+                space.records[0].namespace,
+                name,
+                GPU_CLIQUE_NODE_LABEL,
+                clique_id,
+            )
         for _ in range(MAX_ROUNDS):
             plan = channels.plan(space, self.count)
             if not plan:
                 if plan.waiting:
                     log.debug("no free IMEX channel clique=%s waiting=%s", clique_id, ",".join(map(str, plan.waiting)))
-                return DONE
+                return RequeueAfter(UNBOUND_RECHECK_S) if space.unbound else DONE
             results = await gather_all(self._apply(action) for action in plan.actions)
             for action, result in zip(plan.actions, results, strict=True):
                 space = channels.fold(space, action, result)
@@ -170,15 +183,39 @@ class ChannelAssigner:
         return channels.record_of(ComputeDomainClique.model_validate(raw))
 
     async def _node_exists(self, name: str) -> bool:
-        """Live (a cache could lag), remembered for a while: holders on lost nodes are rechecked periodically."""
+        return await self._node_clique(name) is not None
+
+    async def _node_clique(self, name: str, *, max_age: float = NODE_MEMO_S) -> str | None:
+        """The Node's ``nvidia.com/gpu.clique`` label ("" without one), None when the Node does not exist. Live
+        (a cache could lag), remembered for ``max_age`` seconds: holders on lost nodes are rechecked
+        periodically, and however many records list a node, it is read at most once per ``max_age``."""
         known = self._nodes.get(name)
         now = time.monotonic()
-        if known is not None and now - known[1] < NODE_MEMO_S:
+        if known is not None and now - known[1] < max_age:
             return known[0]
         try:
-            await self.client.get(NODES, name)
-            exists = True
+            raw = await self.client.get(NODES, name)
+            clique: str | None = str(((raw.get("metadata") or {}).get("labels") or {}).get(GPU_CLIQUE_NODE_LABEL) or "")
         except NotFound:
-            exists = False
-        self._nodes[name] = (exists, now)
-        return exists
+            clique = None
+        self._nodes[name] = (clique, now)
+        return clique
+
+    async def _unbound(self, space: CliqueSpace) -> frozenset[str]:
+        """The records that would get a channel but list no claim of a node in the clique (by the label its
+        node agent keeps): a node agent asks for channels only in its own clique. A node not seen in the clique
+        is read again after ``UNBOUND_RECHECK_S``, so a label that arrived after the record counts soon."""
+        unbound = set()
+        for record in space.records:
+            if record.channel is not None or record.terminating or record.domain_uid not in space.live_domains:
+                continue
+            if not await self._lists_a_member(record, space.clique_id):
+                unbound.add(record.name)
+        return frozenset(unbound)
+
+    async def _lists_a_member(self, record: Record, clique_id: str) -> bool:
+        for max_age in (NODE_MEMO_S, UNBOUND_RECHECK_S):
+            for node in sorted(record.nodes):
+                if await self._node_clique(node, max_age=max_age) == clique_id:
+                    return True
+        return False

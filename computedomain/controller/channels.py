@@ -18,7 +18,9 @@ writes (``Plan``), like ``reconcile.desired``: the executor (``assigner``) appli
 back in (``fold``) and asks again until nothing is left. Per clique, in order of need:
 
 * a record with a channel keeps it; a lock of that record for another channel (a lost race) is deleted;
-* a record without a channel whose domain lives: if a lock of its own exists (a previous run, or a previous
+* a record without a channel whose domain lives, named after that domain and the clique, that lists a claim
+  of a node of the clique (``CliqueSpace.unbound``: the executor reads the nodes' ``nvidia.com/gpu.clique``
+  label live): if a lock of its own exists (a previous run, or a previous
   leader, created it and stopped before recording it), that channel is recorded; otherwise the lowest free
   channel (1 up to ``count - 1``; 0 is the shared channel and never assigned) is locked, then recorded.
   With none free, the record waits (``Plan.waiting``); the domain's reconcile reports it (``exhausted``);
@@ -78,6 +80,12 @@ class Record:
     @property
     def holds_finalizer(self) -> bool:
         return COMPUTE_DOMAIN_FINALIZER in self.finalizers
+
+    @property
+    def named_right(self) -> bool:
+        """Whether the name is ``<domain UID>.<clique ID>`` of the domain it is labelled with: a record under
+        another domain's name (made with a stolen node agent's token) must not take or block that name."""
+        return self.name == f"{self.domain_uid}.{self.clique_id}"
 
     @property
     def nodes(self) -> frozenset[str]:
@@ -171,6 +179,8 @@ class CliqueSpace:
     locks: tuple[Lock, ...] = ()
     # Domains that exist and are not being deleted (from the CD cache): only they get a channel.
     live_domains: frozenset[str] = frozenset()
+    # Records that list no claim of a node of this clique (the executor checks the Nodes live): no channel.
+    unbound: frozenset[str] = frozenset()
 
     def with_record(self, record: Record) -> CliqueSpace:
         rest = tuple(r for r in self.records if r.name != record.name)
@@ -274,7 +284,12 @@ def plan(space: CliqueSpace, count: int) -> Plan:
             if not record.terminating and not any(lk.channel == record.channel for lk in space.locks):
                 # Its lock was deleted (by hand): take it again, so no other record can get the channel.
                 actions.append(CreateLock(record, record.channel))
-        elif not record.terminating and record.domain_uid in space.live_domains:
+        elif (
+            not record.terminating
+            and record.domain_uid in space.live_domains
+            and record.named_right
+            and record.name not in space.unbound
+        ):
             if own:
                 # Locked earlier, not recorded yet (a run or a leader stopped in between): record that one.
                 actions.append(RecordChannel(record, own[0].channel))

@@ -8,7 +8,9 @@
   ``ComputeDomainChannelConfig{domainID, allocationMode}``. In hostManaged mode the allocation mode is forced to
   ``Single``: every domain shares channel 0 of the host's IMEX domain. With channel isolation the request's
   class is ``compute-domain-channel.nvidia.com`` instead: any of a node's channel devices, since each is a
-  place for one claim and the node agent injects the domain's own channel (design note 0012).
+  place for one claim and the node agent injects the domain's own channel (design note 0012). Without it the
+request selects only channel devices that no other domain holds (attribute ``domain``: several pods of a
+domain on one node, never a node another domain's IMEX daemon serves; design note 0014).
 
 Both carry the CD label (value: CD UID), the target label and our finalizer. The workload template, in the
 domain's own namespace, also names the domain as its controller owner (the garbage collector's backstop; no
@@ -28,6 +30,7 @@ from computedomain.api.constants import (
     DAEMON_TEMPLATE_PREFIX,
     DRIVER_NAME,
     GROUP_VERSION,
+    HOLDER_ATTRIBUTE,
     ISOLATED_CHANNEL_DEVICE_CLASS,
     TEMPLATE_TARGET_DAEMON,
     TEMPLATE_TARGET_LABEL,
@@ -59,9 +62,27 @@ def allocation_mode(cd: ComputeDomain, settings: ControllerSettings) -> Allocati
     return cd.spec.channel.allocation_mode
 
 
+def holder_selector(cd_uid: str) -> str:
+    """CEL: a device no domain holds, or this one (``||`` short-circuits, so the attribute is read only
+    where it exists)."""
+    attrs = f'device.attributes["{DRIVER_NAME}"]'
+    return f'!("{HOLDER_ATTRIBUTE}" in {attrs}) || {attrs}.{HOLDER_ATTRIBUTE} == "{cd_uid}"'
+
+
 def _template(
-    *, name: str, namespace: str, cd_uid: str, target: str, request: str, device_class: str, params: dict[str, Any]
+    *,
+    name: str,
+    namespace: str,
+    cd_uid: str,
+    target: str,
+    request: str,
+    device_class: str,
+    params: dict[str, Any],
+    selectors: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    exactly: dict[str, Any] = {"deviceClassName": device_class}
+    if selectors:
+        exactly["selectors"] = selectors
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
@@ -74,7 +95,7 @@ def _template(
         "spec": {
             "spec": {
                 "devices": {
-                    "requests": [{"name": request, "exactly": {"deviceClassName": device_class}}],
+                    "requests": [{"name": request, "exactly": exactly}],
                     "config": [
                         {
                             "requests": [request],
@@ -112,6 +133,7 @@ def workload_template(cd: ComputeDomain, settings: ControllerSettings) -> dict[s
             "domainID": cd.uid,
             "allocationMode": allocation_mode(cd, settings).value,
         },
+        selectors=None if settings.channel_isolation else [{"cel": {"expression": holder_selector(cd.uid)}}],
     )
     body["metadata"]["ownerReferences"] = [
         {"apiVersion": cd.api_version, "kind": cd.kind, "name": cd.metadata.name, "uid": cd.uid, "controller": True}

@@ -23,7 +23,7 @@ from typing import Any
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, DAEMON_CHECK_PORT
 from computedomain.api.models import ComputeDomain
 from computedomain.controller.claim_templates import daemon_object_name
-from computedomain.settings import ControllerSettings
+from computedomain.settings import ControllerSettings, render_imex_config_overrides
 from imex.config import HOSTNAME_PREFIX_BASE, hostname_prefix
 
 CONTAINER_NAME = "compute-domain-daemon"
@@ -72,6 +72,11 @@ def daemon_env(
         {"name": "LOG_LEVEL", "value": settings.daemon_log_level},
         {"name": "MAX_NODES_PER_IMEX_DOMAIN", "value": str(settings.max_nodes_per_imex_domain)},
         {"name": "CHECK_PORT", "value": str(DAEMON_CHECK_PORT)},
+        *(
+            [{"name": "IMEX_CONFIG_OVERRIDES", "value": render_imex_config_overrides(overrides)}]
+            if (overrides := settings.imex_config_overrides)
+            else []
+        ),
         # Keep the NVIDIA container runtime from injecting every GPU into the daemon (upstream #402).
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
     ]
@@ -89,6 +94,15 @@ CONTAINER_SECURITY: dict[str, Any] = {
     "capabilities": {"drop": ["ALL"]},
 }
 SCRATCH = {"tmp": "/tmp", "var-log": "/var/log"}
+
+
+def _resources(settings: ControllerSettings) -> dict[str, Any]:
+    """The daemon claim, and CD_DAEMON_RESOURCES as requests and limits both: the Guaranteed QoS class."""
+    resources: dict[str, Any] = {"claims": [{"name": CLAIM_NAME}]}
+    if quantities := settings.daemon_resources:
+        resources["requests"] = dict(quantities)
+        resources["limits"] = dict(quantities)
+    return resources
 
 
 def daemonset(cd: ComputeDomain, settings: ControllerSettings, *, peer_prefix: str | None = None) -> dict[str, Any]:
@@ -114,7 +128,7 @@ def daemonset(cd: ComputeDomain, settings: ControllerSettings, *, peer_prefix: s
                 "startupProbe": _probe(period=1, failures=1200),
                 "livenessProbe": _probe(period=60, failures=20),
                 "readinessProbe": _probe(period=10, failures=1),
-                "resources": {"claims": [{"name": CLAIM_NAME}]},
+                "resources": _resources(settings),
                 "securityContext": dict(CONTAINER_SECURITY),
                 "volumeMounts": [{"name": name, "mountPath": path} for name, path in SCRATCH.items()],
             }
@@ -122,6 +136,9 @@ def daemonset(cd: ComputeDomain, settings: ControllerSettings, *, peer_prefix: s
         "volumes": [{"name": name, "emptyDir": {"sizeLimit": "64Mi"}} for name in SCRATCH],
         "resourceClaims": [{"name": CLAIM_NAME, "resourceClaimTemplateName": name}],
     }
+    if settings.daemon_priority_class:
+        # Ahead of the training pods that wait for them, and not their eviction victims (upstream, 20k GPUs).
+        pod_spec["priorityClassName"] = settings.daemon_priority_class
     if settings.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in settings.pull_secrets]
     return {

@@ -251,24 +251,26 @@ class Writer:
         return written
 
     async def prune(self, cd: ComputeDomain, action: PruneEntries) -> Pruned:
-        """Remove entries whose daemon pod is gone, after a live list of the domain's pods confirms it. Only
-        entries whose node still has no pod are removed; everything else of the clique is written back as
-        read, with its resourceVersion (a daemon writing meanwhile is a ``Conflict``: retried)."""
+        """Remove entries whose daemon pod is gone, decided on live reads, not on the caches (which lag each
+        other: upstream, a lagging pod cache removed live entries and daemons swapped indices). The clique is
+        read first, then the domain's pods are listed (a quorum read), so every entry read was written by a
+        daemon whose pod the list shows unless that pod is gone since; an entry is removed only if it is one of
+        ``action.nodes`` and no listed pod of the domain hosts it in this clique (``status.hosts_entry``). The
+        rest of the clique is written back as read, with that resourceVersion: a daemon that registers after
+        the read makes the write a ``Conflict`` (retried), never a lost entry. Design note 0002."""
         ns, name = action.clique.metadata.namespace, action.clique.metadata.name
-        listed = await self.client.list_all(PODS, namespace=ns, label_selector=f"{COMPUTE_DOMAIN_LABEL}={cd.uid}")
-        pods = tuple(decode_pod(p) for p in listed.items)
-        hosted = {p.node_name for p in pods if p.node_name}
-        gone = set(action.nodes) - hosted
-        if not gone:
-            return Pruned(action.clique, pods)
         try:
             raw = await self.client.get(COMPUTE_DOMAIN_CLIQUES, name, namespace=ns)
         except NotFound:
-            return Pruned(None, pods)
+            return Pruned(None, ())
+        listed = await self.client.list_all(PODS, namespace=ns, label_selector=f"{COMPUTE_DOMAIN_LABEL}={cd.uid}")
+        pods = tuple(decode_pod(p) for p in listed.items)
+        clique = ComputeDomainClique.model_validate(raw)
+        gone = set(action.nodes) & set(status.stale_entries([clique], pods).get(name, ()))
+        if not gone:
+            return Pruned(clique, pods)
         daemons = raw.get("daemons") or []
         kept = [d for d in daemons if not (isinstance(d, dict) and d.get("nodeName") in gone)]
-        if len(kept) == len(daemons):
-            return Pruned(ComputeDomainClique.model_validate(raw), pods)
         # The slot locks of the pruned entries go with them, so a newcomer need not take them over.
         meta = dict(raw.get("metadata") or {})
         stale = {index_lock(i) for i, node in index_locks(meta.get("annotations")).items() if node in gone}

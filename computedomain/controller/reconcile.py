@@ -51,7 +51,7 @@ from computedomain.api.models import (
     ComputeDomainStatus,
     ReadyStatus,
 )
-from computedomain.controller import adoption, claim_templates, daemonset, network_policy, status
+from computedomain.controller import adoption, claim_templates, daemonset, network_policy, spread, status
 from computedomain.controller.adoption import Foreign
 from computedomain.controller.observed import Child, ChildKind, NodeView, Observed, PodView
 from computedomain.controller.status import EventSpec
@@ -362,6 +362,8 @@ def desired_status(
             # The daemons own status.nodes in this mode; derive the verdict from their entries only.
             nodes = _current_nodes(cd)
         verdict = status.assess(nodes, cd.spec.num_nodes, lost)
+        built = spread.with_span(cd, status.build_status(cd, verdict, nodes, now, channels), now)
+        return _with_foreign(cd, built, foreign, now)
     return _with_foreign(cd, status.build_status(cd, verdict, nodes, now, channels), foreign, now)
 
 
@@ -375,7 +377,7 @@ def _status_plan(
     if observed.conditions_pruned:
         # Without the stored condition there is no previous one to compare: an Event only for a flip.
         return _batch(WriteStatus(new, _flip_events(cd, new)))
-    events = (*status.transition_events(cd, new), *_foreign_events(cd, new))
+    events = (*status.transition_events(cd, new), *_foreign_events(cd, new), *spread.span_events(cd, new))
     return _batch(WriteStatus(new, events))
 
 

@@ -86,13 +86,30 @@ def lost_nodes(nodes: Iterable[NodeView]) -> dict[str, str]:
     return {n.name: n.lost for n in nodes if n.lost}
 
 
+def hosts_entry(pod: PodView, clique: ComputeDomainClique, node: str) -> bool:
+    """Whether ``pod`` is (or may yet become) the daemon behind ``node``'s entry in ``clique``: a pod of the
+    same domain (by UID) on that node, in that clique or not labelled with one yet (upstream ca48d876: an
+    unlabelled pod is a fabric pod). A pod of the domain in another clique, or without one, on that node
+    does not keep the entry: the node's daemon registers elsewhere, or nowhere."""
+    return (
+        pod.cd_uid == clique.domain_uid
+        and pod.node_name == node
+        and (pod.clique_id is None or pod.clique_id == clique.clique_id)
+    )
+
+
 def stale_entries(cliques: Iterable[ComputeDomainClique], pods: Iterable[PodView]) -> dict[str, tuple[str, ...]]:
-    """Clique name -> nodes whose entry has no daemon pod of the domain on that node any more (the daemon
-    died without removing its entry, and its pod is gone: node deleted, pod force-deleted)."""
-    hosted = {p.node_name for p in pods if p.node_name}
+    """Clique name -> nodes whose entry has no daemon pod of the domain behind it any more (``hosts_entry``:
+    the daemon died without removing its entry, and its pod is gone: node deleted, pod force-deleted).
+    From the caches this only proposes a prune; ``Writer.prune`` decides on a live list."""
+    pods = tuple(p for p in pods if p.node_name)
     out: dict[str, tuple[str, ...]] = {}
     for clique in cliques:
-        gone = tuple(sorted(d.node_name for d in clique.daemons or () if d.node_name not in hosted))
+        gone = tuple(
+            sorted(
+                d.node_name for d in clique.daemons or () if not any(hosts_entry(p, clique, d.node_name) for p in pods)
+            )
+        )
         if gone:
             out[clique.metadata.name] = gone
     return out
@@ -257,10 +274,26 @@ def build_status(
     )
 
 
+def find_condition(status: ComputeDomainStatus | None, type_: str) -> Condition | None:
+    """The condition of ``type_`` in ``status``, if any."""
+    return next((c for c in status.conditions or () if c.type == type_), None) if status is not None else None
+
+
 def current_condition(cd: ComputeDomain) -> Condition | None:
-    if cd.status is None:
-        return None
-    return next((c for c in cd.status.conditions or () if c.type == READY_CONDITION), None)
+    return find_condition(cd.status, READY_CONDITION)
+
+
+def true_condition(cd: ComputeDomain, type_: str, *, reason: str, message: str, now: datetime) -> Condition:
+    """A True condition of ``type_`` for ``cd``, keeping the transition time of the one it has already."""
+    old = find_condition(cd.status, type_)
+    return Condition(
+        type=type_,
+        status=ConditionStatus.TRUE,
+        observed_generation=cd.metadata.generation or None,
+        last_transition_time=old.last_transition_time if old is not None else now,
+        reason=reason,
+        message=message,
+    )
 
 
 def _cond_key(c: Condition | None) -> tuple[object, ...] | None:

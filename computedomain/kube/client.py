@@ -2,18 +2,25 @@
 
 What it owns:
 
-* one ``transport.Transport`` (keep-alive HTTP/1.1 connections to the apiserver) built from the credentials
-  ``config.load`` finds (a kubeconfig path, the in-cluster service account, or the default kubeconfig);
+* one aiohttp ``ClientSession`` (keep-alive connections to the apiserver: HTTP/1.1, TLS with the
+  credentials' context, the environment's or the kubeconfig's proxy) built from the ``config.Credentials``
+  that ``config.load`` finds (a kubeconfig, the in-cluster service account, or the default kubeconfig), shared
+  by every client ``with_own_budget`` makes of it. It is opened at the first request and closed by ``close``;
+  the ``Authorization`` header is asked of the credentials before every request, and a 401 tells them at once
+  (a rotated token is re-read and the request sent once more with it);
 * raw JSON requests for any resource path (``Resource`` says where a kind lives): get, list with selectors and
   pagination, create, replace (also of a subresource), merge and JSON patch, server-side apply, delete with a
   UID precondition, and streaming watch. Callers get the decoded JSON and turn it into a pydantic model or a
   small frozen projection themselves. No generated client models: they are 16-25x slower to decode and their
   import alone costs a process 60 MiB;
 * a client-side token bucket (QPS/burst), at most ``max_in_flight`` requests on the wire at once (watches
-  apart), a deadline on every attempt and on the whole call, and the single
-  call-level retry loop: ``Transient`` and ``TooManyRequests`` are retried with jittered
-  exponential backoff, honouring ``Retry-After``; ``NotFound``, ``Conflict``, ``Gone`` and ``Permanent`` are
-  raised at once, because only the caller (re-read, re-list, report) can fix those. Every error carries the
+  apart), a deadline on every attempt (aiohttp's ``ClientTimeout``: connect, send, the whole body) and on
+  the whole call, and the single call-level retry loop: ``Transient`` and ``TooManyRequests`` are retried
+  with jittered exponential backoff, honouring ``Retry-After``; ``NotFound``, ``Conflict``, ``Gone`` and
+  ``Permanent`` are raised at once, because only the caller (re-read, re-list, report) can fix those. A POST
+  or PATCH is never sent twice when it may have reached the apiserver: it is retried only when no connection
+  was made, or when the apiserver refused it with 429 or a ``Retry-After`` (it did not act on it). aiohttp
+  itself re-sends only idempotent requests over a kept-alive connection the server closed. Every error carries the
   verb, resource and namespace of the failed request (``KubeError.for_request``), so a 403 can name the
   missing permission;
 * Prometheus metrics: requests by verb, resource and code (409 and 429 visible), latency, retries,
@@ -27,6 +34,7 @@ an async generator that owns its HTTP response; closing the generator (``aclose`
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -36,6 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 from urllib.parse import quote, urlencode
+
+import aiohttp
+from tenacity import RetryCallState, retry_if_exception, stop_after_attempt
+from yarl import URL
 
 from computedomain.kube import config as kube_config
 from computedomain.kube.clock import Clock, MonotonicClock
@@ -58,8 +70,8 @@ from computedomain.kube.errors import (
     error_from_status,
 )
 from computedomain.kube.ratelimit import Slots, TokenBucket
-from computedomain.kube.transport import MAX_BODY, BodyTooLargeError, StreamResponse, Transport
 from computedomain.metrics import Counter, Histogram
+from computedomain.retry import Backoff, before_deadline, retrying
 
 __all__ = [
     "COMPUTE_DOMAINS",
@@ -309,21 +321,22 @@ class KubeClient:
 
     def __init__(
         self,
-        transport: Transport,
+        credentials: kube_config.Credentials,
         *,
         config: ClientConfig | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self._transport = transport
+        self.credentials = credentials
         self.config = config or ClientConfig()
+        self._http = _Session(credentials, self.config)
         self._clock: Clock = clock or MonotonicClock()
         self._bucket = TokenBucket(self.config.qps, self.config.burst, clock=self._clock)
         self._in_flight = Slots(max(1, self.config.max_in_flight))
         self._background = False
         # Only for retry jitter; injectable so tests are deterministic.
         self._rng = rng or random.Random()
-        self._transport.user_agent = self.config.user_agent
+        self._backoff = Backoff(self.config.backoff_base, self.config.backoff_cap, spread=0.5, rng=self._rng)
         self._closed = False
 
     # ---- construction --------------------------------------------------------------------------------
@@ -348,29 +361,25 @@ class KubeClient:
         config: ClientConfig | None = None,
         clock: Clock | None = None,
     ) -> KubeClient:
-        """Load credentials and open a client.
+        """Load credentials and make a client.
 
-        ``kubeconfig`` wins; otherwise the in-cluster service account when running in a pod
-        (``KUBERNETES_SERVICE_HOST`` set); otherwise ``$KUBECONFIG`` or ``~/.kube/config``. A file that cannot
-        be used raises ``kube.config.ConfigError`` naming the file and the field.
+        ``kubeconfig`` wins (``a:b`` merges files as ``KUBECONFIG`` does); otherwise the in-cluster service
+        account when running in a pod (``KUBERNETES_SERVICE_HOST`` set); otherwise ``$KUBECONFIG`` or
+        ``~/.kube/config``. Credentials that cannot be used raise ``kube.config.ConfigError`` naming the file
+        and the field.
         """
-        creds = kube_config.load(kubeconfig, context=context)
-        config = config or ClientConfig()
-        # As many idle connections kept as may be in flight: a burst that fills the slots again finds them open
-        # (with 16 kept, every burst made a TLS handshake for each slot above 16, on both ends).
-        transport = Transport(
-            creds.endpoint, ssl_context=creds.ssl_context, auth=creds.token, max_idle=config.max_in_flight
-        )
-        return cls(transport, config=config, clock=clock)
+        creds = await kube_config.load(kubeconfig, context=context)
+        return cls(creds, config=config, clock=clock)
 
     def with_own_budget(self, *, background: bool = False) -> KubeClient:
-        """The same connection pool, credentials and limits, with a token bucket of its own: for writes that
-        report rather than act (Events, status), which must never wait for, or take, the tokens of this
+        """The same session (connections, credentials) and limits, with a token bucket of its own: for writes
+        that report rather than act (Events, status), which must never wait for, or take, the tokens of this
         client's callers. ``background``: it also shares this client's in-flight slots and takes one only when
         none of this client's requests waits for one, so under a burst the writes that make objects work go
         first (status writes; Events keep slots of their own, or a long burst would leave them trailing it).
-        Closing it closes nothing; the pool belongs to this client."""
-        other = KubeClient(self._transport, config=self.config, clock=self._clock, rng=self._rng)
+        Closing it closes nothing; the session belongs to this client."""
+        other = KubeClient(self.credentials, config=self.config, clock=self._clock, rng=self._rng)
+        other._http = self._http
         if background:
             other._in_flight = self._in_flight
             other._background = True
@@ -380,7 +389,7 @@ class KubeClient:
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
-            await self._transport.close()
+            await self._http.close()
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -390,17 +399,9 @@ class KubeClient:
 
     @property
     def host(self) -> str:
-        return self._transport.endpoint.url
+        return self.credentials.server
 
     # ---- the request core ----------------------------------------------------------------------------
-
-    def _backoff(self, attempt: int, exc: KubeError) -> float:
-        """Jittered exponential backoff after ``attempt`` failed; never shorter than the apiserver's Retry-After."""
-        delay = min(self.config.backoff_cap, self.config.backoff_base * 2.0 ** (attempt - 1))
-        delay = delay * (0.5 + self._rng.random())  # "equal jitter": 0.5x .. 1.5x
-        if exc.retry_after is not None:
-            delay = max(delay, exc.retry_after * (1.0 + 0.1 * self._rng.random()))
-        return delay
 
     async def _call(
         self,
@@ -476,37 +477,58 @@ class KubeClient:
     ) -> bytes:
         """The response body of one API call. ``Transient`` and ``TooManyRequests`` are retried until
         ``max_attempts`` or until the next wait would overrun the call's ``deadline``: a long Retry-After is
-        better handled by the work queue than by parking the caller. Errors carry the request."""
-        target = self._target(path, query)
+        better handled by the work queue than by parking the caller. A POST or PATCH only when the apiserver
+        cannot have acted on it (``_replayable``). tenacity runs the loop (``computedomain.retry``). Errors
+        carry the request."""
+        url = self._url(path, query)
         data, headers = self._body(body, content_type)  # encoded once, sent as often as retried
-        started = self._clock.now()
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await self._attempt(
-                    method,
-                    path,
-                    verb=verb,
-                    resource=resource,
-                    target=target,
-                    data=data,
-                    headers=headers,
-                    max_bytes=max_bytes,
-                )
-            except (Transient, TooManyRequests) as exc:
-                delay = self._backoff(attempt, exc)
-                if attempt >= self.config.max_attempts or self._clock.now() - started + delay > self.config.deadline:
-                    exc.for_request(verb, qualified, namespace)
-                    raise
-                API_RETRIES.labels(verb, resource, type(exc).__name__).inc()
-                log.debug(
-                    "kube api retry verb=%s path=%s attempt=%d sleep=%.3fs error=%r", verb, path, attempt, delay, exc
-                )
-                await self._clock.sleep(delay)
-            except KubeError as exc:
-                exc.for_request(verb, qualified, namespace)
-                raise
+        loop = retrying(
+            self._clock,
+            wait=self._wait,
+            stop=stop_after_attempt(self.config.max_attempts)
+            | before_deadline(self._clock, self._clock.now() + self.config.deadline),
+            retry=retry_if_exception(
+                lambda exc: isinstance(exc, Transient | TooManyRequests) and _replayable(method, exc)
+            ),
+            before_sleep=lambda state: self._retrying(verb, resource, path, state),
+        )
+        try:
+            async for attempt in loop:
+                with attempt:
+                    return await self._attempt(
+                        method,
+                        path,
+                        verb=verb,
+                        resource=resource,
+                        url=url,
+                        data=data,
+                        headers=headers,
+                        max_bytes=max_bytes,
+                    )
+        except KubeError as exc:
+            exc.for_request(verb, qualified, namespace)
+            raise
+        raise AssertionError("tenacity ended the loop without an outcome")
+
+    def _wait(self, state: RetryCallState) -> float:
+        """Jittered exponential backoff (0.5x..1.5x), never shorter than the apiserver's Retry-After."""
+        delay = self._backoff(state)
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, KubeError) and exc.retry_after is not None:
+            delay = max(delay, exc.retry_after * (1.0 + 0.1 * self._rng.random()))
+        return delay
+
+    def _retrying(self, verb: str, resource: str, path: str, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        API_RETRIES.labels(verb, resource, type(exc).__name__).inc()
+        log.debug(
+            "kube api retry verb=%s path=%s attempt=%d sleep=%.3fs error=%r",
+            verb,
+            path,
+            state.attempt_number,
+            state.upcoming_sleep,
+            exc,
+        )
 
     async def discover(self, path: str) -> Raw:
         """GET a discovery document (``/version``, ``/apis/<group>``), with the same deadline and retries."""
@@ -518,15 +540,16 @@ class KubeClient:
         if waited:
             RATE_LIMIT_WAIT.observe(waited)
 
-    def _target(self, path: str, query: Query | None) -> str:
-        return f"{path}?{urlencode(query)}" if query else path
+    def _url(self, path: str, query: Query | None) -> URL:
+        # Paths and queries are encoded here already (``Resource.path`` quotes names): yarl must not again.
+        return URL(f"{self._http.base}{path}?{urlencode(query)}" if query else f"{self._http.base}{path}", encoded=True)
 
-    def _body(self, body: Any, content_type: str) -> tuple[bytes | None, list[tuple[str, str]]]:
-        headers = [("Accept", _JSON), *self.config.extra_headers.items()]
+    def _body(self, body: Any, content_type: str) -> tuple[bytes | None, dict[str, str]]:
+        headers = {"Accept": _JSON, **self.config.extra_headers}
         if body is None:
             return None, headers
         data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
-        return data, [*headers, ("Content-Type", content_type)]
+        return data, {**headers, "Content-Type": content_type}
 
     async def _attempt(
         self,
@@ -535,43 +558,44 @@ class KubeClient:
         *,
         verb: str,
         resource: str,
-        target: str,
+        url: URL,
         data: bytes | None,
-        headers: list[tuple[str, str]],
+        headers: dict[str, str],
         max_bytes: int | None = None,
     ) -> bytes:
-        """One exchange of an encoded request (``target``: the path with its query)."""
+        """One exchange of an encoded request; once more at once when the credentials had a fresher token
+        than the one the apiserver refused (401: it did not act on the request)."""
         await self._throttle()
         timeout = self.config.timeout
-        code = "error"
-        start = time.perf_counter()
-        try:
-            async with self._in_flight.slot(background=self._background):
-                resp = await self._transport.request(
-                    method,
-                    target,
-                    headers=headers,
-                    body=data,
-                    within=timeout,
-                    limit=max_bytes or MAX_BODY,
-                )
-            code = str(resp.status)
-            if resp.status >= 400:
-                raise error_from_response(resp.status, resp.body, retry_after_header=resp.headers.get("retry-after"))
-            return resp.body
-        except KubeError:
-            raise
-        except BodyTooLargeError:
-            raise Permanent(
-                f"{verb} {path}: the response is over {max_bytes:,} bytes, the limit of one object"
-            ) from None
-        except TimeoutError as exc:
-            raise Transient(f"{verb} {path}: no response within {timeout:g}s", reason="Timeout") from exc
-        except OSError as exc:
-            raise Transient(f"{verb} {path}: {type(exc).__name__}: {exc}", reason="ConnectionError") from exc
-        finally:
-            API_REQUESTS.labels(verb, resource, code).inc()
-            API_LATENCY.labels(verb, resource).observe(time.perf_counter() - start)
+        limit = max_bytes or MAX_BODY
+        for renewed in (False, True):
+            code = "error"
+            start = time.perf_counter()
+            try:
+                async with self._in_flight.slot(background=self._background):
+                    status, resp_headers, body, sent = await self._http.exchange(
+                        method, url, headers=headers, data=data, within=timeout, limit=limit
+                    )
+                code = str(status)
+            except _BodyTooLargeError:
+                raise Permanent(f"{verb} {path}: the response is over {limit:,} bytes, the limit") from None
+            except kube_config.ConfigError as exc:  # a credential that could not be renewed
+                raise Permanent(f"{verb} {path}: {exc}", status=401, reason="Unauthorized") from None
+            except TimeoutError as exc:
+                raise Transient(f"{verb} {path}: no response within {timeout:g}s", reason="Timeout") from exc
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                raise Transient(f"{verb} {path}: {_describe(exc)}", reason=_NOT_SENT) from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise Transient(f"{verb} {path}: {_describe(exc)}", reason="ConnectionError") from exc
+            finally:
+                API_REQUESTS.labels(verb, resource, code).inc()
+                API_LATENCY.labels(verb, resource).observe(time.perf_counter() - start)
+            if status == 401 and not renewed and await self.credentials.auth.rejected(sent):
+                continue
+            if status >= 400:
+                raise error_from_response(status, body, retry_after_header=resp_headers.get("Retry-After"))
+            return body
+        raise AssertionError("unreachable")
 
     # ---- reads ---------------------------------------------------------------------------------------
 
@@ -834,36 +858,164 @@ class KubeClient:
         code = "error"
         start = time.perf_counter()
         _, headers = self._body(None, _JSON)
-        resp: StreamResponse
+        resp: aiohttp.ClientResponse
         try:
-            resp = await self._transport.stream(
-                "GET", self._target(path, query), headers=headers, within=self.config.timeout
+            resp = await self._http.stream(
+                self._url(path, query), headers=headers, within=self.config.timeout, idle=idle
             )
             code = str(resp.status)
         except TimeoutError as exc:
             raise Transient(f"watch {path}: no response within {self.config.timeout:g}s") from exc
-        except OSError as exc:
-            raise Transient(f"watch {path}: {type(exc).__name__}: {exc}") from exc
+        except kube_config.ConfigError as exc:
+            raise Permanent(f"watch {path}: {exc}", status=401, reason="Unauthorized") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Transient(f"watch {path}: {_describe(exc)}") from exc
         finally:
             API_REQUESTS.labels("watch", resource.plural, code).inc()
             API_LATENCY.labels("watch", resource.plural).observe(time.perf_counter() - start)
 
         try:
+            if resp.status == 401:
+                await self.credentials.auth.rejected(resp.request_info.headers.get("Authorization"))
             if resp.status >= 400:
-                data = await resp.read()
-                error = error_from_response(resp.status, data, retry_after_header=resp.headers.get("retry-after"))
+                data = await _read_body(resp, MAX_OBJECT_BYTES)
+                error = error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
                 raise error.for_request("watch", resource.qualified, namespace)
-            async for line, size in _lines(resp.chunks(idle), MAX_OBJECT_BYTES):
+            async for line, size in _lines(resp.content.iter_any(), MAX_OBJECT_BYTES):
                 if size > MAX_OBJECT_BYTES:
                     yield _oversized_event(line, size)
                 elif line.strip():
                     yield _watch_event(line)
         except TimeoutError as exc:
             raise Transient(f"watch {path}: silent for {idle:g}s", reason="Timeout") from exc
-        except OSError as exc:
-            raise Transient(f"watch {path}: {type(exc).__name__}: {exc}", reason="ConnectionError") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Transient(f"watch {path}: {_describe(exc)}", reason="ConnectionError") from exc
         finally:
-            resp.aclose()
+            resp.close()  # a watch's connection is never reused: closing it ends the stream on both sides
+
+
+# --------------------------------------------------------------------------------------------------------
+# The session
+
+#: the largest response body read into memory (a list of thousands of objects is a few MiB)
+MAX_BODY = 256 * 1024 * 1024
+#: watch streams a process keeps open at once besides its requests (one per informer; the controller has 8)
+MAX_WATCHES = 64
+#: an idle kept-alive connection is closed after this long (the apiserver keeps them 90 s)
+KEEPALIVE_S = 60.0
+#: ``Transient.reason`` of a request that never left: no connection could be made
+_NOT_SENT = "ConnectFailed"
+_IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE"})
+
+
+class _BodyTooLargeError(Exception):
+    pass
+
+
+def _replayable(method: str, exc: KubeError) -> bool:
+    """May the request go again? Always when it is idempotent; a POST or PATCH only when the apiserver
+    cannot have acted on it: no connection was made, or it answered 429 or with a Retry-After."""
+    return method in _IDEMPOTENT or exc.reason == _NOT_SENT or exc.status == 429 or exc.retry_after is not None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def _read_body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    if resp.content_length is not None and resp.content_length > limit:
+        raise _BodyTooLargeError
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise _BodyTooLargeError
+    return bytes(body)
+
+
+class _Session:
+    """The one aiohttp ``ClientSession`` of a set of credentials, opened at the first request.
+
+    Connections: requests are bounded by the client's slots (``max_in_flight``) and watches by the informers
+    that hold them; the connector's limit (their sum with ``MAX_WATCHES``) only backs that up. Idle ones are
+    kept ``KEEPALIVE_S``. The environment's proxy is read once (``config.proxy_from_env``), not by aiohttp on
+    every request (``trust_env`` also reads ``.netrc`` on a thread each time)."""
+
+    def __init__(self, credentials: kube_config.Credentials, config: ClientConfig) -> None:
+        self.credentials = credentials
+        self.base = credentials.server.rstrip("/")
+        self._config = config
+        self._proxy = credentials.proxy or kube_config.proxy_from_env(self.base)
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            if self._closed:
+                raise aiohttp.ClientConnectionError("the client was closed")
+            connector = aiohttp.TCPConnector(
+                limit=max(1, self._config.max_in_flight) + MAX_WATCHES,
+                limit_per_host=0,
+                keepalive_timeout=KEEPALIVE_S,
+                ssl=self.credentials.ssl_context or True,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers={"User-Agent": self._config.user_agent},
+                timeout=aiohttp.ClientTimeout(total=self._config.timeout),
+                trust_env=False,
+                raise_for_status=False,
+            )
+        return self._session
+
+    async def _headers(self, headers: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+        sent = await self.credentials.auth.authorization()
+        return ({**headers, "Authorization": sent} if sent else dict(headers)), sent
+
+    async def exchange(
+        self, method: str, url: URL, *, headers: Mapping[str, str], data: bytes | None, within: float, limit: int
+    ) -> tuple[int, Mapping[str, str], bytes, str | None]:
+        """One request, its whole body read within ``within`` seconds: status, headers, body and the
+        ``Authorization`` sent."""
+        session = self._open()
+        all_headers, sent = await self._headers(headers)
+        async with session.request(
+            method,
+            url,
+            data=data,
+            headers=all_headers,
+            timeout=aiohttp.ClientTimeout(total=within),
+            proxy=self._proxy,
+            ssl=self.credentials.auth.tls or True,
+            server_hostname=self.credentials.server_hostname,
+            allow_redirects=False,
+        ) as resp:
+            body = await _read_body(resp, limit)
+            return resp.status, resp.headers, body, sent
+
+    async def stream(
+        self, url: URL, *, headers: Mapping[str, str], within: float, idle: float
+    ) -> aiohttp.ClientResponse:
+        """A GET whose response head arrives within ``within`` seconds; its body is read as it comes, each
+        read within ``idle`` seconds (``TimeoutError`` otherwise). The caller closes the response."""
+        session = self._open()
+        all_headers, _ = await self._headers(headers)
+        async with asyncio.timeout(within):
+            return await session.get(
+                url,
+                headers=all_headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=within, sock_read=idle),
+                proxy=self._proxy,
+                ssl=self.credentials.auth.tls or True,
+                server_hostname=self.credentials.server_hostname,
+                allow_redirects=False,
+            )
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
 
 
 async def _lines(chunks: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[tuple[bytes, int]]:

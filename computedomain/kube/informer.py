@@ -16,7 +16,7 @@ Rules that make the cache trustworthy:
   ``410 Gone`` (version compacted away) triggers a full re-list, diffed against the store: objects missing
   from it are reported deleted, changed ones updated. A broken or silent watch (nothing, not even a bookmark,
   for ``inactivity_timeout`` seconds) is reconnected from the last version, with jittered backoff while it
-  keeps failing. Watches also end by themselves after a random 5-10 minutes, as client-go's do.
+  keeps failing (a tenacity loop, ``computedomain.retry``). Watches also end by themselves after a random 5-10 minutes, as client-go's do.
 * Objects are decoded from raw JSON by the caller's ``decode`` after ``metadata.managedFields`` is dropped;
   the raw dict is not kept.
 * A bad object costs only itself. One that breaks a bound of the client's decoder (``decoding``: nested too
@@ -55,6 +55,7 @@ from computedomain.kube.errors import Gone, KubeError, explain
 from computedomain.kube.events import EventRecorder, EventType, ObjectRef
 from computedomain.kube.ratelimit import TokenBucket
 from computedomain.metrics import Counter, Gauge
+from computedomain.retry import Backoff, retrying
 
 __all__ = ["Informer", "Rejection", "event_reporter", "object_key", "problems", "wait_for_sync"]
 
@@ -144,9 +145,13 @@ class Informer(Generic[T]):
         self._page_size = page_size
         self._inactivity_timeout = inactivity_timeout
         self._watch_timeout = watch_timeout
-        self._max_backoff = max_backoff
         self._clock: Clock = clock or MonotonicClock()
         self._rng = rng or random.Random()  # jitter only; injectable for deterministic tests
+        # 0.2 s doubling to max_backoff, 0.5x..1.5x
+        self._backoff = Backoff(0.2, max_backoff, spread=0.5, rng=self._rng)
+        self._failures = 0
+        self._reason = "initial"
+        self._pause = 0.0
         self._items: dict[str, T] = {}
         self._rvs: dict[str, str] = {}
         self._indexers: dict[str, IndexFunc[T]] = dict(indexers or {})
@@ -241,49 +246,60 @@ class Informer(Generic[T]):
     # ---- the loop -----------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """List, then watch, forever (until cancelled)."""
-        failures = 0
-        reason = "initial"
-        while True:
-            try:
-                if self._resource_version is None:
-                    await self._relist(reason)
-                await self._watch()
-                failures = 0
-            except asyncio.CancelledError:
-                raise
-            except Gone as exc:
-                log.info("informer re-list informer=%s reason=gone error=%s", self.name, exc)
-                self._resource_version = None
-                reason = "gone"
-                INFORMER_WATCH_RESTARTS.labels(self.name, "gone").inc()
-            except Exception as exc:
-                failures += 1
-                delay = min(self._max_backoff, 0.2 * 2 ** min(failures - 1, 10))
-                delay *= 0.5 + self._rng.random()
-                timeout = isinstance(exc, KubeError) and exc.reason == "Timeout"
-                INFORMER_WATCH_RESTARTS.labels(self.name, "timeout" if timeout else "error").inc()
-                if isinstance(exc, KubeError) and exc.permanent:
-                    self._refused(exc)
-                else:
-                    # Connection trouble and apiserver restarts are weather: debug while it lasts a few
-                    # rounds, then one line per restart; a bug (not a KubeError) with its traceback.
-                    lvl = logging.DEBUG if failures < 5 and isinstance(exc, KubeError) else logging.INFO
-                    lvl = lvl if isinstance(exc, KubeError) else logging.WARNING
-                    log.log(
-                        lvl,
-                        "informer restart informer=%s failures=%d retry_in=%.2fs error=%r",
-                        self.name,
-                        failures,
-                        delay,
-                        exc,
-                        exc_info=not isinstance(exc, KubeError),
-                    )
-                if self._resource_version is None:
-                    reason = "error"
-                if failures == 1 and timeout:
-                    continue  # a silent watch: reconnect at once
-                await self._clock.sleep(delay)
+        """List, then watch, forever (until cancelled). tenacity runs the restarts; the failure count is ours,
+        because it starts over after every watch that worked (``_failed`` says how long to wait)."""
+        self._failures = 0
+        self._reason = "initial"
+        self._pause = 0.0
+        restarts = retrying(self._clock, wait=lambda _: self._pause)
+        async for attempt in restarts:
+            with attempt:
+                try:
+                    while True:
+                        if self._resource_version is None:
+                            await self._relist(self._reason)
+                        await self._watch()
+                        self._failures = 0
+                except Gone as exc:
+                    log.info("informer re-list informer=%s reason=gone error=%s", self.name, exc)
+                    self._resource_version = None
+                    self._reason = "gone"
+                    self._pause = 0.0
+                    INFORMER_WATCH_RESTARTS.labels(self.name, "gone").inc()
+                    raise
+                except Exception as exc:
+                    self._pause = self._failed(exc)
+                    raise
+
+    def _failed(self, exc: Exception) -> float:
+        """Count and report a failed list or watch; the seconds to wait before the next (jittered backoff;
+        none after the first silent watch)."""
+        self._failures += 1
+        failures = self._failures
+        delay = self._backoff.delay(failures)
+        timeout = isinstance(exc, KubeError) and exc.reason == "Timeout"
+        INFORMER_WATCH_RESTARTS.labels(self.name, "timeout" if timeout else "error").inc()
+        if isinstance(exc, KubeError) and exc.permanent:
+            self._refused(exc)
+        else:
+            # Connection trouble and apiserver restarts are weather: debug while it lasts a few
+            # rounds, then a warning per restart (it is no longer weather); a bug (not a KubeError)
+            # with its traceback.
+            lvl = logging.DEBUG if failures < 5 and isinstance(exc, KubeError) else logging.WARNING
+            log.log(
+                lvl,
+                "informer restart informer=%s failures=%d retry_in=%.2fs error=%r",
+                self.name,
+                failures,
+                delay,
+                exc,
+                exc_info=not isinstance(exc, KubeError),
+            )
+        if self._resource_version is None:
+            self._reason = "error"
+        if failures == 1 and timeout:
+            return 0.0  # a silent watch: reconnect at once
+        return delay
 
     async def _relist(self, reason: str) -> None:
         INFORMER_RELISTS.labels(self.name, reason).inc()

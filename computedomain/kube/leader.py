@@ -3,7 +3,7 @@
 What it owns: one Lease ``namespace/name`` and the decision "this process may write". Identity is
 ``<pod>-<uuid4>`` (fresh per process, so a restarted pod never mistakes an old term for its own).
 
-* **Acquire**: every ``retry_period`` (jittered), read the Lease; take it when it is missing, has no holder
+* **Acquire**: every ``retry_period`` (jittered to 1..1.2x; a tenacity loop), read the Lease; take it when it is missing, has no holder
   (released), or its holder has not renewed for ``lease_duration`` *as observed by our own clock* (the
   remote ``renewTime`` is never compared with our wall clock, so clock skew cannot cause two leaders).
 * **Renew**: every ``retry_period`` write ``renewTime``. If no renewal succeeds for ``renew_deadline``, or
@@ -31,10 +31,13 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from tenacity import retry_if_exception_type, retry_if_result
+
 from computedomain.kube.client import LEASES, KubeClient, Raw
 from computedomain.kube.clock import Clock, MonotonicClock, utcnow
 from computedomain.kube.errors import Conflict, KubeError, NotFound
 from computedomain.metrics import Counter, Gauge
+from computedomain.retry import Backoff, log_retry, retrying
 
 __all__ = ["LeaderElector", "LeadershipLost", "make_identity"]
 
@@ -134,15 +137,28 @@ class LeaderElector:
     async def _acquire(self) -> None:
         released = asyncio.Event()
         watcher = asyncio.create_task(self._watch_for_release(released), name=f"leader-watch-{self.name}")
+
+        async def attempt() -> bool:
+            released.clear()
+            try:
+                return await self._try_acquire_or_renew()
+            except KubeError as exc:
+                log.info("leader election: acquire failed lease=%s/%s error=%r", self.namespace, self.name, exc)
+                return False
+
+        async def sleep(seconds: float) -> None:
+            await self._sleep_or(released, seconds)
+
+        # retry_period x U[1, 1.2): client-go's jitter, as Backoff's symmetric spread around 1.1 x retry_period
+        period = 1.1 * self.retry_period
+        campaign = retrying(
+            self._clock,
+            wait=Backoff(period, period, spread=1 / 11, rng=self._rng),
+            retry=retry_if_result(lambda won: not won),
+            sleep=sleep,
+        )
         try:
-            while True:
-                released.clear()
-                try:
-                    if await self._try_acquire_or_renew():
-                        return
-                except KubeError as exc:
-                    log.info("leader election: acquire failed lease=%s/%s error=%r", self.namespace, self.name, exc)
-                await self._sleep_or(released, self.retry_period * (1.0 + 0.2 * self._rng.random()))
+            await campaign(attempt)
         finally:
             watcher.cancel()
             await asyncio.wait({watcher})
@@ -159,20 +175,24 @@ class LeaderElector:
     async def _watch_for_release(self, released: asyncio.Event) -> None:
         """Set `released` when the Lease loses its holder or disappears. Best effort: on any error the
         periodic retry still acquires, so errors only pause the watch for a retry period."""
-        while True:
-            try:
-                stream = self.client.watch(
-                    LEASES, namespace=self.namespace, field_selector=f"metadata.name={self.name}", timeout_seconds=300
-                )
-                async for event in stream:
-                    holder = (event.object.get("spec") or {}).get("holderIdentity")
-                    if event.type == "DELETED" or (event.type in ("ADDED", "MODIFIED") and not holder):
-                        released.set()
-            except KubeError as exc:
-                log.debug(
-                    "leader election: lease watch interrupted lease=%s/%s error=%r", self.namespace, self.name, exc
-                )
-                await self._clock.sleep(self.retry_period)
+
+        async def watch() -> None:
+            stream = self.client.watch(
+                LEASES, namespace=self.namespace, field_selector=f"metadata.name={self.name}", timeout_seconds=300
+            )
+            async for event in stream:
+                holder = (event.object.get("spec") or {}).get("holderIdentity")
+                if event.type == "DELETED" or (event.type in ("ADDED", "MODIFIED") and not holder):
+                    released.set()
+
+        restarts = retrying(
+            self._clock,
+            wait=Backoff(self.retry_period, self.retry_period, spread=0),
+            retry=retry_if_exception_type(KubeError),
+            before_sleep=log_retry(log, f"leader election: lease watch lease={self.namespace}/{self.name}"),
+        )
+        while True:  # a watch that ends at its timeout is opened again at once
+            await restarts(watch)
 
     async def _renew_until_lost(self, work: asyncio.Task[None] | None) -> None:
         last_renew = self._clock.now()

@@ -3,7 +3,8 @@
 ``TokenBucket`` is a reservation-style bucket (as golang.org/x/time/rate's ``Reserve``): ``reserve()``
 always succeeds and returns how long the caller must wait, so a burst of callers is spread out in arrival
 order instead of all polling. ``ItemBackoff`` is the per-key exponential backoff with jitter that the work
-queue applies to failing keys. ``Waiters`` are tasks waiting for a turn, woken one at a time, oldest first:
+queue applies to failing keys (the one backoff that is not tenacity's: it is kept per key across runs, which no
+library offers; see ``workqueue``). ``Waiters`` are tasks waiting for a turn, woken one at a time, oldest first:
 the work queue's idle workers wait on it, and ``Slots`` (the client's requests in flight, foreground before
 background) on two of them.
 

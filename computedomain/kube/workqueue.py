@@ -10,7 +10,10 @@ What it owns: a set of keys that need work.
 - **Delays**: ``add_after(key, s)`` (the earliest pending time wins), ``add_rate_limited(key)`` (failure
   backoff: per-key exponential with jitter, capped, combined with a global token bucket so that many failing
   keys cannot retry in a storm; ``forget(key)`` resets it) and ``hold(key, until)`` (adds before ``until``
-  are deferred to it and coalesce into one run).
+  are deferred to it and coalesce into one run). This backoff is the queue's own, not tenacity's: tenacity
+  (``computedomain.retry``, every other retry loop) retries one call, while this one outlives the call, is
+  kept per key across runs, shared with the events that add the key and bounded by one bucket for all keys;
+  no library offers that (client-go's workqueue rate limiters are what this follows).
 - ``shutdown()``: ``get()`` raises ``QueueShutDown`` from then on; items still queued are dropped (the next
   process re-lists and re-enqueues everything anyway).
 - Metrics per queue name: depth, adds, queue latency (add -> get), work duration (get -> done), retries.

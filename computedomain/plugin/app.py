@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from computedomain.api.constants import DRIVER_NAME
+from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, DRIVER_NAME
 from computedomain.http import EndpointError, HttpServer, start_http
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.converge import Retries
@@ -61,16 +61,17 @@ from computedomain.plugin.checkpoint import CheckpointError, CheckpointStore, Op
 from computedomain.plugin.claims import KubeClaimReader
 from computedomain.plugin.cleanup import Cleanup
 from computedomain.plugin.clique_label import CliqueLabeler, NodeHardware
-from computedomain.plugin.collaborators import HostCheck
+from computedomain.plugin.collaborators import ClaimSnapshot, HostCheck
 from computedomain.plugin.daemon_owner import KubeDaemonPods
 from computedomain.plugin.domains import DaemonReadinessWatch, DomainCache
 from computedomain.plugin.grpc_server import PluginServer, SocketPaths
 from computedomain.plugin.health import HealthReports, HostState
 from computedomain.plugin.metrics import Instrumented, NodeState, watch_node
+from computedomain.plugin.node_holder import NodeHolder
 from computedomain.plugin.node_labels import NodeLabels
 from computedomain.plugin.nvml_child import ChildNvmlSource
 from computedomain.plugin.prepare import Preparer, PreparerConfig
-from computedomain.plugin.resourceslice import SlicePublisher, published_devices
+from computedomain.plugin.resourceslice import Device, Holding, SlicePublisher, published_devices
 from computedomain.settings import FeatureGate, PluginSettings
 from imex.discovery import Discovery, HardwareDiscovery, HardwareError, check_driver_for_dns_names
 from imex.host_check import HostCheckError, check_host_imex_ready
@@ -140,12 +141,11 @@ class NodeAgent:
         if host_check is None and settings.host_managed:
             host_check = self._host_check
         self.channels: ChannelRecords | None = None
-        self.channel_devices = 1
+        self.channel_devices = settings.imex_channel_claims_per_node
         if settings.channel_isolation:
             self.channels = ChannelRecords(
                 client, node_name=settings.node_name, namespace=settings.namespace, domains=self.domains
             )
-            self.channel_devices = settings.imex_channel_claims_per_node
         self.preparer = Preparer(
             PreparerConfig(
                 node_name=settings.node_name,
@@ -165,6 +165,8 @@ class NodeAgent:
             host_check=host_check,
             daemon_pods=KubeDaemonPods(client),
             channels=self.channels,
+            on_change=self._holder_changed,
+            notify=self._tell_pods,
         )
         self.retries = Retries.of(settings)
         self.cleanup = Cleanup(
@@ -179,7 +181,8 @@ class NodeAgent:
         self.clique_labeler = CliqueLabeler(
             self.labels,
             self.hardware,
-            enabled=settings.gpu_clique_label_enabled,
+            # Channel isolation: the controller hands a channel only to records of the node's own clique.
+            enabled=settings.gpu_clique_label_enabled or settings.channel_isolation,
             refresh_s=settings.clique_refresh_interval,
             retries=self.retries,
         )
@@ -200,6 +203,49 @@ class NodeAgent:
             )
         )
         self.publisher: SlicePublisher | None = None
+        self.holder: NodeHolder | None = None
+
+    def _tell_pods(self, claim: ClaimSnapshot, message: str) -> None:
+        """A Warning Event on each pod the claim is reserved for (what it waits for)."""
+        for consumer in claim.status.get("reservedFor") or ():
+            if isinstance(consumer, dict) and consumer.get("resource") == "pods" and consumer.get("name"):
+                ref = ObjectRef(
+                    kind="Pod",
+                    api_version="v1",
+                    name=str(consumer["name"]),
+                    namespace=claim.namespace,
+                    uid=str(consumer.get("uid") or "") or None,
+                )
+                self.events.record(ref, EventType.WARNING, "WaitingForIMEX", message)
+
+    def _holder_changed(self) -> None:
+        if self.holder is not None:
+            self.holder.wake()
+
+    def _devices(self, holding: Holding | None = None, *, imex_supported: bool = True) -> tuple[Device, ...]:
+        return published_devices(
+            host_managed=self.settings.host_managed,
+            imex_supported=imex_supported,
+            channel_devices=self.channel_devices,
+            isolated=self.settings.channel_isolation,
+            holding=holding,
+        )
+
+    def _domain_namespace(self, uid: str) -> str | None:
+        cd = self.domains.lookup(uid)
+        return cd.metadata.namespace if cd is not None else None
+
+    async def _run_holder(self) -> None:
+        """The holder decides what the slice offers first (the publisher waits for it): a node held before a
+        restart must not look free for a moment."""
+        assert self.holder is not None
+        await self.node_informer.has_synced()
+        await self.domains.informer.has_synced()
+        await self.holder.publisher.informer.has_synced()
+        await self.holder.run()
+
+    async def _remove_domain_label(self, uid: str) -> bool:
+        return await self.labels.remove_label_if(COMPUTE_DOMAIN_LABEL, uid)
 
     def informers(self) -> list[Informer[Any]]:
         slices = [self.publisher.informer] if self.publisher is not None else []
@@ -251,11 +297,11 @@ class NodeAgent:
             self.checkpoint_report = self.store.open()
         except (CheckpointError, OSError) as exc:
             raise StartupError(f"cannot open the checkpoint in {self.plugin_dir}: {exc}") from None
-        devices = published_devices(
-            host_managed=settings.host_managed, imex_supported=no_imex is None, channel_devices=self.channel_devices
-        )
+        devices = self._devices(imex_supported=no_imex is None)
+        # Every name a channel device may have here (driverManaged: the further places while a domain holds it).
+        names = [d.name for d in self._devices(Holding(""), imex_supported=no_imex is None)]
         self.server.device_health = HealthReports(
-            [d.name for d in devices],
+            names,
             pool=settings.node_name,
             host_managed=settings.host_managed,
             imex_problem=self.hardware.imex_support,
@@ -267,7 +313,20 @@ class NodeAgent:
             events=self.events,
             no_imex_reason=no_imex,
             retries=self.retries,
+            wait_for_devices=bool(devices) and not settings.host_managed and not settings.channel_isolation,
         )
+        if devices and not settings.host_managed and not settings.channel_isolation:
+            self.holder = NodeHolder(
+                self.client,
+                self.publisher,
+                node_name=settings.node_name,
+                read_checkpoint=self.store.read,
+                node_label=lambda: self.labels.cached(COMPUTE_DOMAIN_LABEL),
+                remove_label=self._remove_domain_label,
+                domain_namespace=self._domain_namespace,
+                devices=self._devices,
+                retries=self.retries,
+            )
         log.info(
             "node agent starting node=%s mode=%s clique=%r imex=%s reboot_invalidated=%d plugin_dir=%s cdi_root=%s",
             settings.node_name,
@@ -336,6 +395,8 @@ class NodeAgent:
         stopped: asyncio.Task[Any] = asyncio.create_task(stop.wait(), name="stop")
         trim = asyncio.create_task(_trim_heap_when(self.server.registered), name="heap-trim")
         try:
+            if self.holder is not None:
+                spawn("node-holder", self._run_holder)
             spawn("resourceslice", self.publisher.run)
             spawn("clique", self.clique_labeler.run)
             spawn("cleanup", self.cleanup.run)

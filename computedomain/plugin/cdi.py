@@ -145,9 +145,12 @@ class CapabilityDevice:
         return f"{NVIDIA_CAPS_DIR}/nvidia-cap{self.minor}"
 
 
-def channel_device(index: int) -> str:
-    """The name of a published channel device: ``channel-0``; with channel isolation also ``channel-1`` ..."""
-    return f"channel-{index}"
+def channel_device(index: int, *, isolated: bool = True) -> str:
+    """The name of a published channel device: ``channel-0``; with channel isolation also ``channel-1`` ...,
+    without it (each a further place for a claim on channel 0) ``channel-0-1`` ..."""
+    if isolated or index == 0:
+        return f"channel-{index}"
+    return f"{CHANNEL_DEVICE}-{index}"
 
 
 def channel_path(channel: int) -> str:

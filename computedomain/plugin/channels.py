@@ -15,12 +15,18 @@ use it. ``ChannelRecords`` (``collaborators.ChannelAssignments``) does this node
   channel in time: ``ChannelNotAssignedError`` (retryable), which says what it waits for, and the domain's
   condition when the controller found no channel free;
 * ``release``: take the claim off the record again (Unprepare, and the cleanup for releases that failed);
-* ``node_claims``: the claims this node has listed, for the cleanup to compare with the checkpoint.
+* ``node_claims``: the claims this node has listed, for the cleanup to compare with the checkpoint;
+* ``hold``: the cleanup's other direction: a claim the checkpoint holds prepared whose entry is gone from the
+  record (whoever wrote that) is listed again, so the record, and the channel, stay.
+
+Only this node's entries count (claim UID and node together, as the CRD keys them): another node's entry of
+the same claim UID is not a hold this node can rely on, since that node may take it off at any time.
 
 Writes: the record is created with our finalizer and the claim; a claim is appended with a JSON patch (the
 apiserver applies it to the current object, so concurrent appends of several nodes all land) and removed with
 a JSON patch that first tests the entry at its index (so a list that changed meanwhile is read again, never
-the wrong entry removed). The node agent never writes ``channel``, other nodes' entries, or finalizers after
+the wrong entry removed). A write that meets a changed record decides again on a fresh read, at most eight
+times (``computedomain.retry.again_on``), then fails retryably. The node agent never writes ``channel``, other nodes' entries, or finalizers after
 creation (an admission policy holds it to that).
 """
 
@@ -38,19 +44,24 @@ from computedomain.api.constants import (
     GROUP_VERSION,
     SHARED_IMEX_CHANNEL,
 )
-from computedomain.api.models import ComputeDomain, ComputeDomainClique, clique_name, valid_clique_id
+from computedomain.api.models import ComputeDomain, ComputeDomainClique, PreparedClaim, clique_name, valid_clique_id
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
 from computedomain.kube.clock import Clock, MonotonicClock, run_within
 from computedomain.kube.errors import AlreadyExists, Conflict, Invalid, NotFound
 from computedomain.kube.informer import Informer
 from computedomain.plugin.collaborators import DomainInfo
 from computedomain.plugin.failures import ChannelNotAssignedError, ClaimRejected, RetryableError
+from computedomain.retry import again_on
 
 log = logging.getLogger(__name__)
 
 CLIQUE_INDEX: Final = "clique"
 EXHAUSTED_REASON: Final = "ChannelsExhausted"
 _MAX_TRIES: Final = 8
+
+
+class _Changed(Exception):  # noqa: N818 (the retry loop's signal, never seen outside this module)
+    """The record changed under us (or was read again): decide once more on what was read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,10 +242,13 @@ class ChannelRecords:
         name = clique_name(domain.uid, clique_id)
         record = self.informer.get(name, self.namespace)
         fresh = False
-        for _ in range(_MAX_TRIES):
-            if record is not None and not fresh and (_lists(record, claim_uid) or record.metadata.deletion_timestamp):
+
+        async def once() -> ComputeDomainClique:
+            nonlocal record, fresh
+            listed = _lists(record, claim_uid, self.node_name)
+            if record is not None and not fresh and (listed or record.metadata.deletion_timestamp):
                 record, fresh = await self._get(name), True
-                continue
+                raise _Changed
             if record is None:
                 body = {
                     "apiVersion": GROUP_VERSION,
@@ -249,32 +263,79 @@ class ChannelRecords:
                 }
                 try:
                     raw = await self._client.create(COMPUTE_DOMAIN_CLIQUES, body, namespace=self.namespace)
-                    log.info("asked for an IMEX channel record=%s claim=%s", name, claim_uid)
-                    return ComputeDomainClique.model_validate(raw)
                 except AlreadyExists:
                     record, fresh = await self._get(name), True
-                    continue
-            if _lists(record, claim_uid):
+                    raise _Changed from None
+                log.info("asked for an IMEX channel record=%s claim=%s", name, claim_uid)
+                return ComputeDomainClique.model_validate(raw)
+            if listed:
                 return record
             if record.metadata.deletion_timestamp is not None:
                 evaluate(record, (), domain=domain, clique_id=clique_id, channel_count=1)  # raises, saying why
             try:
-                if record.prepared_claims is None:
-                    patch: dict[str, Any] = {
-                        "metadata": {"resourceVersion": record.metadata.resource_version},
-                        "preparedClaims": [_entry(claim_uid, self.node_name)],
-                    }
-                    raw = await self._client.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, patch, namespace=self.namespace)
-                else:
-                    op = {"op": "add", "path": "/preparedClaims/-", "value": _entry(claim_uid, self.node_name)}
-                    raw = await self._client.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [op], namespace=self.namespace)
-                return ComputeDomainClique.model_validate(raw)
+                return await self._append(record, claim_uid)
             except NotFound:
                 record = None  # gone meanwhile: ask again
+                raise _Changed from None
             except (Invalid, Conflict):
                 # Listed already (a retried answer got lost, or a lagging cache), or changed meanwhile.
                 record, fresh = await self._get(name), True
-        raise RetryableError(f"ComputeDomainClique {name} kept changing while listing claim {claim_uid}")
+                raise _Changed from None
+
+        try:
+            return await again_on(_MAX_TRIES, _Changed)(once)
+        except _Changed:
+            raise RetryableError(f"ComputeDomainClique {name} kept changing while listing claim {claim_uid}") from None
+
+    async def _append(self, record: ComputeDomainClique, claim_uid: str) -> ComputeDomainClique:
+        name = record.metadata.name
+        if record.prepared_claims is None:
+            patch: dict[str, Any] = {
+                "metadata": {"resourceVersion": record.metadata.resource_version},
+                "preparedClaims": [_entry(claim_uid, self.node_name)],
+            }
+            raw = await self._client.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, patch, namespace=self.namespace)
+        else:
+            op = {"op": "add", "path": "/preparedClaims/-", "value": _entry(claim_uid, self.node_name)}
+            raw = await self._client.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [op], namespace=self.namespace)
+        return ComputeDomainClique.model_validate(raw)
+
+    # -- hold
+
+    async def hold(self, domain_uid: str, clique_id: str, claim_uid: str) -> bool:
+        """A claim this node holds prepared stays listed whatever else was written to its record: an entry of
+        ours that is gone (taken off by hand, or by anyone but this node) is listed again, also in a record
+        being deleted (which then keeps the channel). True when it had to be. The cache decides whether to
+        look; the API decides whether to write."""
+        name = clique_name(domain_uid, clique_id)
+        if _lists(self.informer.get(name, self.namespace), claim_uid, self.node_name):
+            return False
+
+        async def once() -> bool:
+            record = await self._get(name)
+            if record is None:
+                log.error(
+                    "the channel record of a claim prepared here is gone: its channel may be handed to another "
+                    "domain while the claim's containers use it record=%s claim=%s",
+                    name,
+                    claim_uid,
+                )
+                return False
+            if _lists(record, claim_uid, self.node_name):
+                return False
+            try:
+                await self._append(record, claim_uid)
+            except (NotFound, Invalid, Conflict):
+                raise _Changed from None
+            log.warning("listed a prepared claim again in its channel record record=%s claim=%s", name, claim_uid)
+            return True
+
+        try:
+            return await again_on(_MAX_TRIES, _Changed)(once)
+        except _Changed:
+            raise RetryableError(
+                f"ComputeDomainClique {name} kept changing while listing claim {claim_uid} again"
+            ) from None
 
     async def _get(self, name: str) -> ComputeDomainClique | None:
         try:
@@ -289,16 +350,17 @@ class ChannelRecords:
     async def release(self, domain_uid: str, clique_id: str, claim_uid: str) -> bool:
         """Take the claim off the record; True when it was listed. Idempotent."""
         name = clique_name(domain_uid, clique_id)
-        for _ in range(_MAX_TRIES):
+
+        async def once() -> bool:
             record = await self._get(name)
             if record is None:
                 return False
             claims = record.prepared_claims or []
-            index = next((i for i, c in enumerate(claims) if c.claim_uid == claim_uid), None)
+            index = next((i for i, c in enumerate(claims) if _ours(c, claim_uid, self.node_name)), None)
             if index is None:
                 return False
-            ops = [
-                {"op": "test", "path": f"/preparedClaims/{index}/claimUID", "value": claim_uid},
+            ops: list[dict[str, Any]] = [
+                {"op": "test", "path": f"/preparedClaims/{index}", "value": _entry(claim_uid, self.node_name)},
                 {"op": "remove", "path": f"/preparedClaims/{index}"},
             ]
             try:
@@ -306,11 +368,24 @@ class ChannelRecords:
             except NotFound:
                 return False
             except Invalid:
-                continue  # the list changed under us: read it again
+                raise _Changed from None  # the list changed under us: read it again
             log.info("released IMEX channel claim=%s record=%s channel=%s", claim_uid, name, record.channel)
             return True
-        raise RetryableError(f"ComputeDomainClique {name} kept changing while releasing claim {claim_uid}")
+
+        try:
+            return await again_on(_MAX_TRIES, _Changed)(once)
+        except _Changed:
+            raise RetryableError(
+                f"ComputeDomainClique {name} kept changing while releasing claim {claim_uid}"
+            ) from None
 
 
-def _lists(record: ComputeDomainClique | None, claim_uid: str) -> bool:
-    return record is not None and any(c.claim_uid == claim_uid for c in record.prepared_claims or ())
+def _ours(entry: PreparedClaim, claim_uid: str, node: str) -> bool:
+    return entry.claim_uid == claim_uid and entry.node_name == node
+
+
+def _lists(record: ComputeDomainClique | None, claim_uid: str, node: str) -> bool:
+    """Whether the record holds this node's entry of the claim. Only an entry of this node counts: another
+    node's entry of the same claim UID (a stolen token of that node may write one) is not ours to trust, since
+    that node may take it off again at any time."""
+    return record is not None and any(_ours(c, claim_uid, node) for c in record.prepared_claims or ())

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from computedomain.api.limits import brief, shown
 from computedomain.atomic import write_atomically
@@ -282,9 +282,11 @@ def begin_prepare(
     resources = tuple(resources)
     if check_prepare(cp, uid, fingerprint) is not None:
         raise InvalidTransitionError(f"claim {uid} is already PrepareCompleted; return its devices instead")
-    held = channel_holder(cp, (c for r in resources if r.clique_id is None for c in r.channels), except_uid=uid)
+    held = None
     for resource in resources:
-        if held is None and resource.clique_id is not None:
+        # A domain's claims share its channel on a node: channel 0 of its own IMEX domain (driverManaged: the
+        # node label), or its channel under isolation. hostManaged channel 0 is every domain's: no guard.
+        if held is None and (resource.clique_id is not None or resource.node_label is not None):
             held = channel_holder(cp, resource.channels, except_uid=uid, domain=resource.domain_id)
     if held is not None:
         raise ChannelInUseError(*held)
@@ -480,9 +482,23 @@ def read_boot_id(path: Path = DEFAULT_BOOT_ID_PATH) -> str:
     return boot_id
 
 
+class _Held(Exception):  # noqa: N818 (the poll's signal: someone else holds the lock)
+    pass
+
+
+def _lock_now(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise _Held from exc
+        raise
+
+
 class FileLock:
     """An exclusive `flock` on a lock file that is never deleted (deleting it would let two holders lock
-    two different inodes). Polls without blocking so a stuck holder becomes a timeout, not a hang."""
+    two different inodes). Polls without blocking (a tenacity loop, every ``poll_s`` until ``timeout_s``) so a
+    stuck holder becomes a timeout, not a hang."""
 
     def __init__(self, path: Path, *, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, poll_s: float = 0.05) -> None:
         self.path = path
@@ -499,17 +515,16 @@ class FileLock:
                 raise RuntimeError(f"lock {self.path} is already held by this thread (not re-entrant)")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                if time.monotonic() >= deadline:
-                    raise LockTimeoutError(f"could not lock {self.path} within {self.timeout_s:g} s")
-                time.sleep(self.poll_s)
+            polls = Retrying(
+                stop=stop_after_delay(self.timeout_s),
+                wait=wait_fixed(self.poll_s),
+                retry=retry_if_exception_type(_Held),
+                reraise=True,
+            )
+            try:
+                polls(_lock_now, fd)
+            except _Held:
+                raise LockTimeoutError(f"could not lock {self.path} within {self.timeout_s:g} s") from None
             with self._guard:
                 self._owner = me
             try:

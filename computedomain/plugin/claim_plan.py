@@ -46,9 +46,10 @@ __all__ = ["PUBLISHED_DEVICES", "ClaimPlan", "ClaimPlanner", "DevicePlan", "publ
 PUBLISHED_DEVICES: Final = frozenset({cdi.CHANNEL_DEVICE, cdi.DAEMON_DEVICE})
 
 
-def published_device_names(channel_devices: int = 1) -> frozenset[str]:
-    """What a node publishes: ``channel-0`` (and with channel isolation ``channel-1`` ...) and ``daemon-0``."""
-    return PUBLISHED_DEVICES | {cdi.channel_device(i) for i in range(channel_devices)}
+def published_device_names(channel_devices: int = 1, *, isolated: bool = True) -> frozenset[str]:
+    """What a node publishes: ``channel-0`` (and with channel isolation ``channel-1`` ..., without it
+    ``channel-0-1`` ...) and ``daemon-0``."""
+    return PUBLISHED_DEVICES | {cdi.channel_device(i, isolated=isolated) for i in range(channel_devices)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +115,7 @@ class ClaimPlanner:
             raise ClaimRejected(
                 f"device {device.device} was allocated from pool {device.pool!r}, not from this node {self.node_name!r}"
             )
-        if device.device not in published_device_names(self.channel_devices):
+        if device.device not in published_device_names(self.channel_devices, isolated=self.channels is not None):
             raise ClaimRejected(f"device {device.device} is not a device this node publishes")
         kind = item.kind
         if kind is DeviceKind.DAEMON and self.host_managed:

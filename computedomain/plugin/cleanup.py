@@ -15,7 +15,8 @@ One round (`Cleanup.run_once`), never concurrent with itself:
 4. per-domain `/imexd` directories whose ComputeDomain is gone and that no live entry uses are removed
    (upstream deletes them only here too, never at Unprepare, to avoid racing a re-created daemon pod);
 5. channel isolation: claims this node still lists in a domain's channel record although the checkpoint no
-   longer holds them (their release at Unprepare failed) are taken off (`Preparer.release_stale_channels`).
+   longer holds them (their release at Unprepare failed) are taken off (`Preparer.release_stale_channels`);
+   claims it holds whose entry went from the record are listed again (`Preparer.hold_prepared_channels`).
 
 The claim lookup is a live GET with the client's deadline; an API error skips that entry until the next
 round. Rounds run on a one-key convergence loop (`kube.converge`): at start and every `interval_s`; a round
@@ -54,6 +55,7 @@ class CleanupReport:
     removed_specs: list[str] = field(default_factory=list)
     removed_domain_dirs: list[str] = field(default_factory=list)
     released_channels: list[str] = field(default_factory=list)
+    relisted_channels: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
 
@@ -150,6 +152,10 @@ class Cleanup:
                 log.warning("cleanup: could not release stale IMEX channel claims; next round error=%r", exc)
             for uid in report.released_channels:
                 log.info("cleanup: released the IMEX channel of a claim this node no longer holds claim=%s", uid)
+            try:
+                report.relisted_channels = await self.preparer.hold_prepared_channels()
+            except Exception as exc:
+                log.warning("cleanup: could not check the channel records of prepared claims; next round error=%r", exc)
             return report
 
     def _list_domain_dirs(self) -> list[Path]:

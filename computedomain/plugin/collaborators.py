@@ -72,6 +72,10 @@ class ClaimReader(Protocol):
         """The claim as the apiserver has it now; ClaimNotFoundError if it does not exist."""
         ...
 
+    async def wait_gone(self, namespace: str, name: str, uid: str) -> None:
+        """Return once the claim is deleted or replaced or reserved for no pod (it may take forever)."""
+        ...
+
 
 class DomainLookup(Protocol):
     async def get_domain(self, uid: str) -> DomainInfo | None:
@@ -131,6 +135,10 @@ class ChannelAssignments(Protocol):
 
     def node_claims(self) -> list[tuple[str, str, str]]:
         """(domain UID, clique ID, claim UID) of every claim this node has listed."""
+        ...
+
+    async def hold(self, domain_uid: str, clique_id: str, claim_uid: str) -> bool:
+        """The claim, prepared here, is listed for this node (again, if its entry went); True when it had to be."""
         ...
 
 

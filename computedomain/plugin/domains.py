@@ -3,7 +3,8 @@ of this node's IMEX daemon in each, both kept current by watches.
 
 - `DomainCache` is an informer over ComputeDomains in all namespaces with a UID index; Prepare uses it for
   the namespace check and the daemon's CDI env. A UID missing from a synced cache is looked up live once
-  before Prepare calls the CD absent, because a permanent error must not come from cache lag.
+  before Prepare calls the CD absent, because a permanent error must not come from cache lag; a UID found
+  absent that way is remembered (it cannot appear later), so retries of such a claim list nothing.
 - `DaemonReadinessWatch` answers "is this node's daemon of domain D Ready?" from watch events, never by
   polling: with ComputeDomainCliques on, from the `ComputeDomainClique <cdUID>.<cliqueID>` objects in the
   driver namespace (this node's entry, by `nodeName`), falling back to `CD.status.nodes` for domains set up
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 UID_INDEX: Final = "uid"
 SYNC_TIMEOUT_S: Final = 10.0
+ABSENT_MEMO: Final = 4096  # UIDs known not to exist (bounded: a tenant may make claims naming any number)
 
 
 def _info(cd: ComputeDomain) -> DomainInfo:
@@ -55,6 +58,7 @@ class DomainCache:
             name="computedomains",
             indexers={UID_INDEX: lambda cd: (cd.metadata.uid,)},
         )
+        self._absent: OrderedDict[str, None] = OrderedDict()
 
     async def run(self) -> None:
         await self.informer.run()
@@ -69,12 +73,24 @@ class DomainCache:
             raise RetryableError("the ComputeDomain cache has not synced yet")
         cd = self.lookup(uid)
         if cd is None:
+            if uid in self._absent:
+                return None
             listed = await self._client.list_all(COMPUTE_DOMAINS)
             cd = next(
                 (ComputeDomain.model_validate(c) for c in listed.items if (c.get("metadata") or {}).get("uid") == uid),
                 None,
             )
+            if cd is None:
+                self._remember_absent(uid)
         return _info(cd) if cd is not None and cd.metadata.deletion_timestamp is None else None
+
+    def _remember_absent(self, uid: str) -> None:
+        """A UID a live (quorum) list did not show never shows later: the apiserver gives every object a new
+        one at create, and a claim can only name a UID that existed before it. So a claim of an unknown
+        domain costs one list of every ComputeDomain, not one per Prepare attempt."""
+        self._absent[uid] = None
+        while len(self._absent) > ABSENT_MEMO:
+            self._absent.popitem(last=False)
 
     def known_uids(self) -> set[str]:
         return set(self.informer.index_values(UID_INDEX))

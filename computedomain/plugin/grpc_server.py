@@ -15,11 +15,27 @@ Owns three asyncio gRPC servers and the socket files they listen on:
   problem (a cache whose list or watch the apiserver refuses: the log line names the verb and resource).
 
 The gRPC library is grpclib (pure Python on `h2`, a few MiB where grpcio's core costs the agent ~11 MiB and
-seven threads); only this module and `wire` (its codec) import it. Messages and method tables are
-`kubelet_api`'s, encoded by `wire` (grpclib's `codec=`): the agent does not load the protobuf runtime. What
-grpclib leaves to its user is done here: a request's declared length is checked before it is read
-(`MAX_MESSAGE_BYTES`), and `stop(grace_s)` drains as grpcio's did: new calls get UNAVAILABLE, calls in flight
-get the grace period, then are cancelled and told UNAVAILABLE. Everything runs on the caller's event loop;
+seven threads); only this module imports it. The messages are protobuf's, generated from the kubelet's
+`.proto` files (`proto/*_pb2`, see `proto/generate.py`; `grpc.health.v1` is grpclib's own generated module),
+and grpclib's default codec encodes them; the method tables are read from the generated descriptors. What
+grpclib leaves to its user is done here: `stop(grace_s)` drains as grpcio's did: new calls get UNAVAILABLE,
+calls in flight get the grace period, then are cancelled and told UNAVAILABLE.
+
+Every socket is bounded (`Bounds`; `HEALTH_BOUNDS` for the TCP health port, which any pod reaches,
+`KUBELET_BOUNDS` for the unix sockets, sized from the kubelet's own limits: grpc's 4 MiB message, its 45 s
+deadline). grpclib 0.4.9 has settings for the flow-control windows only (`Configuration`); the rest is a
+minimal wrap of its server's protocol factory (`_BoundedServer`, `_Connection`): a connection beyond
+`connections` (or `connections_per_peer` from one address) is reset as it is accepted; h2's connection gets
+`SETTINGS_MAX_CONCURRENT_STREAMS`, a header list bound and a header block bound (`_Frames`: h2 joins up to
+1 MiB of CONTINUATION frames, which hpack would decode at ~1.5 µs a byte); the socket is read `read_bytes` at a
+time, and not at all while the peer does not read what we write; a connection with no call in progress is
+closed (GOAWAY) `idle_s` after its open or its last call, and one whose request message has not arrived
+`request_s` after its headers; a request longer than `max_message_bytes` is refused from its length prefix,
+unread (grpclib's own `recv_message` buffers whatever length is declared). So what is decoded on the event
+loop from the health port stays small: at most 1 KiB of frames per read, a header block of 1 KiB, a message of
+512 bytes (microseconds for protobuf's upb). Health Checks share one self-check at a time, so the health port
+cannot fill the kubelet sockets' connection slots.
+Everything runs on the caller's event loop;
 servicer methods never block it (the Preparer is async). Start order is DRA first, registration second, so
 the kubelet never learns an endpoint that is not listening yet; stale socket files from a previous run are
 removed before listening and again after stopping.
@@ -31,18 +47,26 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from google.protobuf.message import DecodeError, Message
 from grpclib.client import Channel, UnaryUnaryMethod
+from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.health.v1 import health_pb2
+from grpclib.protocol import H2Protocol
 from grpclib.server import Server, Stream
+from h2.exceptions import ProtocolError
+from h2.frame_buffer import FrameBuffer
+from h2.settings import SettingCodes
+from hyperframe.frame import ContinuationFrame, Frame, HeadersFrame
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
-from computedomain.plugin import kubelet_api as api
 from computedomain.plugin.health import HealthReports
 from computedomain.plugin.preparer import (
     ClaimRef,
@@ -53,7 +77,7 @@ from computedomain.plugin.preparer import (
     UnprepareResult,
     strip_subrequest,
 )
-from computedomain.plugin.wire import CODEC, Message, WireError
+from computedomain.plugin.proto import dra_health_v1alpha1_pb2, dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_v1_pb2
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +92,8 @@ HEALTH_SERVICES: Final = frozenset({"", "liveness"})
 READINESS_SERVICE: Final = "readiness"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH: Final = 107
-#: the largest request message read (grpc's default receive limit); grpclib itself would buffer any size
+#: the largest request on the kubelet's sockets: grpc's default receive limit, which the reference plugin's
+#: grpc-go server keeps (grpclib itself would buffer any size)
 MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
 #: how long stop() waits for cancelled calls to end
 STOP_WAIT_S: Final = 1.0
@@ -130,6 +155,201 @@ def tcp_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+# --- the bounds of each listening socket -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a client of one listening socket can cost (see `HEALTH_BOUNDS`, `KUBELET_BOUNDS` and the module
+    docstring)."""
+
+    #: the largest request message; a longer one is refused from its length prefix, unread
+    max_message_bytes: int
+    #: calls open at once on one connection (advertised as SETTINGS_MAX_CONCURRENT_STREAMS)
+    streams_per_connection: int
+    #: connections open at once, and from one peer address; more are reset as they are accepted
+    connections: int
+    connections_per_peer: int
+    #: a connection without a call whose request has arrived is closed this long after its open or its last call
+    idle_s: float
+    #: a call's request message must have arrived this long after its headers, or the connection is closed
+    request_s: float
+    #: HTTP/2 flow-control window of a connection and of each stream: what a stalled peer can make us hold
+    window_bytes: int = 65535
+    #: the encoded header block of a call (HEADERS and CONTINUATION frames) and the header list it decodes to
+    max_header_block_bytes: int = 1024
+    max_header_list_bytes: int = 4096
+    #: bytes read from the socket per turn of the event loop: what one turn may decode of frames
+    read_bytes: int = 1024
+
+
+#: the TCP health port, which any pod reaches: a message of a service name, few calls, short deadlines
+HEALTH_BOUNDS: Final = Bounds(
+    max_message_bytes=512,
+    streams_per_connection=4,
+    connections=32,
+    connections_per_peer=8,
+    idle_s=5.0,
+    request_s=5.0,
+)
+#: the kubelet's unix sockets (root on the node reaches them): its messages, its 45 s deadline, its connection
+#: kept across calls (closed when idle for 5 min; grpc-go dials again for the next call)
+KUBELET_BOUNDS: Final = Bounds(
+    max_message_bytes=MAX_MESSAGE_BYTES,
+    streams_per_connection=16,
+    connections=16,
+    connections_per_peer=16,
+    idle_s=300.0,
+    request_s=45.0,
+    window_bytes=MAX_MESSAGE_BYTES,
+    max_header_block_bytes=4096,
+    max_header_list_bytes=8192,
+    read_bytes=16384,
+)
+
+
+class _Frames(FrameBuffer):
+    """h2's frame buffer with a bound on a header block: h2 joins up to 64 CONTINUATION frames (1 MiB) and
+    hpack decodes the block in pure Python, about 1.5 µs a byte when Huffman-coded."""
+
+    def __init__(self, max_block: int) -> None:
+        super().__init__(server=True)
+        self._max_block = max_block
+
+    def _update_header_buffer(self, f: Frame | None) -> Frame | None:
+        if isinstance(f, HeadersFrame | ContinuationFrame):
+            size = len(f.data) + sum(len(x.data) for x in self._headers_buffer)
+            if size > self._max_block:
+                raise ProtocolError(f"a header block longer than {self._max_block} bytes")
+        return super()._update_header_buffer(f)
+
+
+class _BoundedServer(Server):
+    """grpclib's Server whose connections are `_Connection`s: it counts them, by peer address too."""
+
+    def __init__(self, servable: _Servable, bounds: Bounds) -> None:
+        window = max(bounds.window_bytes, 65535)  # the smallest HTTP/2 allows
+        super().__init__(
+            [servable], config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window)
+        )
+        self.bounds = bounds
+        self.open: dict[_Connection, str] = {}
+        self._by_peer: Tally[str] = Tally()
+        self.refused = 0
+
+    def _protocol_factory(self) -> _Connection:  # type: ignore[override]
+        return _Connection(self)
+
+    def grpclib_protocol(self) -> H2Protocol:
+        return super()._protocol_factory()
+
+    def admit(self, connection: _Connection, peer: str) -> bool:
+        if len(self.open) >= self.bounds.connections or self._by_peer[peer] >= self.bounds.connections_per_peer:
+            self.refused += 1
+            return False
+        self.open[connection] = peer
+        self._by_peer[peer] += 1
+        return True
+
+    def release(self, connection: _Connection) -> None:
+        peer = self.open.pop(connection, None)
+        if peer is not None:
+            self._by_peer[peer] -= 1
+            if not self._by_peer[peer]:
+                del self._by_peer[peer]
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One accepted connection: admitted or reset, then grpclib's protocol with the bounds set on its h2
+    connection, fed at most `read_bytes` per turn of the loop, closed at its idle deadline, and not read while
+    the peer does not take what we write (h2 answers PINGs and SETTINGS on its own)."""
+
+    def __init__(self, server: _BoundedServer) -> None:
+        self._server = server
+        self._bounds = server.bounds
+        self._buffer = bytearray(self._bounds.read_bytes)
+        self._transport: asyncio.Transport | None = None
+        self._grpc: H2Protocol | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        #: calls whose request has arrived and that have not finished
+        self.calls = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        peername = transport.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
+        if not self._server.admit(self, peer):
+            transport.abort()  # RST: the descriptor is free at once
+            return
+        self._transport = transport
+        grpc = self._server.grpclib_protocol()
+        grpc.connection_made(transport)
+        h2 = grpc.connection._connection
+        h2.incoming_buffer = _Frames(self._bounds.max_header_block_bytes)
+        h2.decoder.max_header_list_size = self._bounds.max_header_list_bytes
+        h2.update_settings(
+            {
+                SettingCodes.MAX_CONCURRENT_STREAMS: self._bounds.streams_per_connection,
+                SettingCodes.MAX_HEADER_LIST_SIZE: self._bounds.max_header_list_bytes,
+            }
+        )
+        grpc.connection.flush()
+        grpc.connection.bounded = self  # type: ignore[attr-defined]  # found by the calls of this connection
+        self._grpc = grpc
+        self._arm()
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._grpc is not None:
+            self._grpc.data_received(bytes(self._buffer[:nbytes]))
+
+    def pause_writing(self) -> None:
+        if self._grpc is not None and self._transport is not None:
+            self._grpc.pause_writing()
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._grpc is not None and self._transport is not None:
+            self._grpc.resume_writing()
+            self._transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.release(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._grpc is not None:
+            self._grpc.connection_lost(exc)
+
+    def call_started(self) -> None:
+        self.calls += 1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def call_ended(self) -> None:
+        self.calls -= 1
+        self._arm()
+
+    def close(self) -> None:
+        """GOAWAY, then close: a grpc client dials again for its next call."""
+        if self._grpc is not None and self._transport is not None and not self._transport.is_closing():
+            with contextlib.suppress(Exception):
+                self._grpc.connection._connection.close_connection()
+                self._grpc.connection.flush()
+            self._transport.close()
+
+    def _arm(self) -> None:
+        if self.calls == 0 and self._transport is not None:
+            self._timer = asyncio.get_running_loop().call_later(self._bounds.idle_s, self.close)
+
+
+def _connection_of(stream: Stream[Any, Any]) -> _Connection:
+    owner: _Connection = stream._stream.connection.bounded  # type: ignore[attr-defined]
+    return owner
+
+
 # --- gRPC plumbing on grpclib ----------------------------------------------------------------------------
 
 
@@ -164,22 +384,71 @@ class _Calls:
         return not self.running
 
 
+@dataclass(frozen=True, slots=True)
+class _Method:
+    path: str
+    name: str
+    request: type[Message]
+    reply: type[Message]
+    server_streaming: bool
+
+
+def _methods(module: Any, service: str) -> tuple[_Method, ...]:
+    """The methods of `service` in a generated module, from its descriptor (paths `/package.Service/Method`)."""
+    described = module.DESCRIPTOR.services_by_name[service]
+    return tuple(
+        _Method(
+            f"/{described.full_name}/{m.name}",
+            m.name,
+            getattr(module, m.input_type.name),
+            getattr(module, m.output_type.name),
+            m.server_streaming,
+        )
+        for m in described.methods
+    )
+
+
+DRA_V1_METHODS: Final = _methods(dra_v1_pb2, "DRAPlugin")
+DRA_V1BETA1_METHODS: Final = _methods(dra_v1beta1_pb2, "DRAPlugin")
+DRA_HEALTH_METHODS: Final = _methods(dra_health_v1alpha1_pb2, "DRAResourceHealth")
+REGISTRATION_METHODS: Final = _methods(pluginregistration_v1_pb2, "Registration")
+GRPC_HEALTH_METHODS: Final = _methods(health_pb2, "Health")
+
+
+def _method(methods: Sequence[_Method], name: str) -> _Method:
+    return next(m for m in methods if m.name == name)
+
+
 async def _receive(stream: Stream[Any, Any], message_type: type[Message]) -> Any:
     """The request message, bounded: grpclib's own `recv_message` buffers whatever length the peer declares,
-    and the health port is reachable from the pod network."""
+    and waits for it as long as the peer likes. Within the connection's `request_s` or the connection is closed;
+    a length above `max_message_bytes` is refused from the prefix, unread."""
+    bounds = _connection_of(stream)._bounds
     h2: Any = stream._stream  # grpclib.protocol.Stream: the only way to read the length prefix first
-    prefix = await h2.recv_data(5)
-    if len(prefix) != 5:
-        raise GRPCError(Status.INTERNAL, "the request has no message")
-    if prefix[0]:
-        raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
-    size = int.from_bytes(prefix[1:], "big")
-    if size > MAX_MESSAGE_BYTES:
-        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})")
+    if h2._h2_connection.open_inbound_streams > bounds.streams_per_connection:
+        # h2 enforces the advertised cap only once the peer has acknowledged our settings
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"more than {bounds.streams_per_connection} calls on one connection")
     try:
-        return message_type.decode(await h2.recv_data(size))
-    except WireError as exc:
-        raise GRPCError(Status.INTERNAL, f"the request is not a {message_type.FULL_NAME}: {exc}") from exc
+        async with asyncio.timeout(bounds.request_s):
+            prefix = await h2.recv_data(5)
+            if len(prefix) != 5:
+                raise GRPCError(Status.INTERNAL, "the request has no message")
+            if prefix[0]:
+                raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
+            size = int.from_bytes(prefix[1:], "big")
+            if size > bounds.max_message_bytes:
+                raise GRPCError(
+                    Status.RESOURCE_EXHAUSTED,
+                    f"received message larger than max ({size} vs. {bounds.max_message_bytes})",
+                )
+            data = await h2.recv_data(size)
+    except TimeoutError:
+        _connection_of(stream).close()
+        raise GRPCError(Status.DEADLINE_EXCEEDED, f"the request did not arrive within {bounds.request_s:g}s") from None
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        raise GRPCError(Status.INTERNAL, f"the request is not a {message_type.DESCRIPTOR.full_name}: {exc}") from exc
 
 
 @contextlib.asynccontextmanager
@@ -197,20 +466,32 @@ async def _told_when_stopped(calls: _Calls, stream: Stream[Any, Any]) -> AsyncIt
         raise
 
 
-def _mapping(calls: _Calls, service: api.Service, servicer: object) -> dict[str, Handler]:
-    """grpclib's method table for `service`, served by `servicer`'s methods of the same names:
+@contextlib.contextmanager
+def _in_progress(stream: Stream[Any, Any]) -> Iterator[None]:
+    """A call whose request has arrived: its connection is not idle until it ends."""
+    connection = _connection_of(stream)
+    connection.call_started()
+    try:
+        yield
+    finally:
+        connection.call_ended()
+
+
+def _mapping(calls: _Calls, methods: Sequence[_Method], servicer: object) -> dict[str, Handler]:
+    """grpclib's method table for a service's `methods`, served by `servicer`'s methods of the same names:
     `async def M(request) -> reply`, or an async generator of replies for a server stream."""
     table: dict[str, Handler] = {}
-    for method in service.methods:
+    for method in methods:
         impl = getattr(servicer, method.name)
         request_type = method.request
         if method.server_streaming:
 
             async def serve(stream: Stream[Any, Any], impl: Any = impl, request_type: Any = request_type) -> None:
                 request = await _receive(stream, request_type)
-                async with _told_when_stopped(calls, stream):
-                    async for reply in impl(request):
-                        await stream.send_message(reply)
+                with _in_progress(stream):
+                    async with _told_when_stopped(calls, stream):
+                        async for reply in impl(request):
+                            await stream.send_message(reply)
 
             cardinality = Cardinality.UNARY_STREAM
         else:
@@ -218,12 +499,13 @@ def _mapping(calls: _Calls, service: api.Service, servicer: object) -> dict[str,
             async def serve(stream: Stream[Any, Any], impl: Any = impl, request_type: Any = request_type) -> None:
                 with calls.one():
                     request = await _receive(stream, request_type)
-                    async with _told_when_stopped(calls, stream):
-                        reply = await impl(request)
-                    await stream.send_message(reply)
+                    with _in_progress(stream):
+                        async with _told_when_stopped(calls, stream):
+                            reply = await impl(request)
+                        await stream.send_message(reply)
 
             cardinality = Cardinality.UNARY_UNARY
-        table[service.path(method.name)] = Handler(serve, cardinality, request_type, method.reply)
+        table[method.path] = Handler(serve, cardinality, request_type, method.reply)
     return table
 
 
@@ -237,33 +519,32 @@ class _Servable:
         return self.table
 
 
-SERVING: Final = api.SERVING
-NOT_SERVING: Final = api.NOT_SERVING
+SERVING: Final = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING: Final = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 # --- DRA node service ------------------------------------------------------------------------------------
 
 
 class _DraService:
-    """One servicer object per DRA wire version (they share the message classes; v1beta1 has no share_id)."""
+    """One servicer object per DRA wire version: `pb2` is its generated module (v1beta1 has no share_id)."""
 
-    def __init__(self, preparer: Preparer, version: str, *, carries_share_id: bool) -> None:
+    def __init__(self, preparer: Preparer, version: str, pb2: Any) -> None:
         self._preparer = preparer
         self._version = version
-        self._carries_share_id = carries_share_id
+        self._pb2 = pb2
+        self._carries_share_id = "share_id" in pb2.Device.DESCRIPTOR.fields_by_name
 
     @staticmethod
-    def _claims(request: api.NodePrepareResourcesRequest | api.NodeUnprepareResourcesRequest) -> list[ClaimRef]:
+    def _claims(request: Any) -> list[ClaimRef]:
         seen: dict[str, ClaimRef] = {}
         for claim in request.claims:
             seen.setdefault(claim.uid, ClaimRef(claim.namespace, claim.name, ClaimUid(claim.uid)))
         return list(seen.values())
 
-    async def NodePrepareResources(  # noqa: N802 (gRPC name)
-        self, request: api.NodePrepareResourcesRequest
-    ) -> api.NodePrepareResourcesResponse:
+    async def NodePrepareResources(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
         claims = self._claims(request)
-        response = api.NodePrepareResourcesResponse()
+        response = self._pb2.NodePrepareResourcesResponse()
         if not claims:
             return response
         log.debug("NodePrepareResources version=%s claims=%s", self._version, ",".join(map(str, claims)))
@@ -277,26 +558,22 @@ class _DraService:
             if result is None:
                 log.info("prepare not finished; the kubelet will retry claim=%s", claim)
                 continue
-            response.claims[claim.uid] = api.NodePrepareResourceResponse(
-                devices=[
-                    api.Device(
-                        request_names=[strip_subrequest(n) for n in device.request_names],
-                        pool_name=device.pool_name,
-                        device_name=device.device_name,
-                        cdi_device_ids=list(device.cdi_device_ids),
-                        share_id=device.share_id if self._carries_share_id else None,
-                    )
-                    for device in result.devices
-                ],
-                error=result.error,
-            )
+            entry = response.claims[claim.uid]
+            entry.error = result.error
+            for device in result.devices:
+                added = entry.devices.add(
+                    request_names=[strip_subrequest(n) for n in device.request_names],
+                    pool_name=device.pool_name,
+                    device_name=device.device_name,
+                    cdi_device_ids=list(device.cdi_device_ids),
+                )
+                if self._carries_share_id and device.share_id is not None:
+                    added.share_id = device.share_id
         return response
 
-    async def NodeUnprepareResources(  # noqa: N802 (gRPC name)
-        self, request: api.NodeUnprepareResourcesRequest
-    ) -> api.NodeUnprepareResourcesResponse:
+    async def NodeUnprepareResources(self, request: Any) -> Any:  # noqa: N802 (gRPC name)
         claims = self._claims(request)
-        response = api.NodeUnprepareResourcesResponse()
+        response = self._pb2.NodeUnprepareResourcesResponse()
         if not claims:
             return response
         log.debug("NodeUnprepareResources version=%s claims=%s", self._version, ",".join(map(str, claims)))
@@ -310,7 +587,7 @@ class _DraService:
             if result is None:
                 log.info("unprepare not finished; the kubelet will retry claim=%s", claim)
                 continue
-            response.claims[claim.uid] = api.NodeUnprepareResourceResponse(error=result.error)
+            response.claims[claim.uid].error = result.error
         return response
 
 
@@ -321,15 +598,16 @@ class _ResourceHealthService:
         self._reports = reports
 
     async def NodeWatchResources(  # noqa: N802 (gRPC name)
-        self, request: api.NodeWatchResourcesRequest
-    ) -> AsyncIterator[api.NodeWatchResourcesResponse]:
+        self, request: dra_health_v1alpha1_pb2.NodeWatchResourcesRequest
+    ) -> AsyncIterator[dra_health_v1alpha1_pb2.NodeWatchResourcesResponse]:
         log.debug("kubelet opened the device health stream devices=%s", ",".join(self._reports.devices))
+        pb2 = dra_health_v1alpha1_pb2
         async for at, devices in self._reports.stream():
-            yield api.NodeWatchResourcesResponse(
+            yield pb2.NodeWatchResourcesResponse(
                 devices=[
-                    api.DeviceHealth(
-                        device=api.DeviceIdentifier(pool_name=self._reports.pool, device_name=d.device),
-                        health=int(d.health),
+                    pb2.DeviceHealth(
+                        device=pb2.DeviceIdentifier(pool_name=self._reports.pool, device_name=d.device),
+                        health=int(d.health),  # type: ignore[arg-type]
                         last_updated_time=int(at),
                         health_check_timeout_seconds=self._reports.timeout_s,
                         message=d.message,
@@ -344,7 +622,7 @@ class _ResourceHealthService:
 
 class _RegistrationService:
     def __init__(self, driver_name: str, endpoint: Path, on_status: Any) -> None:
-        self._info = api.PluginInfo(
+        self._info = pluginregistration_v1_pb2.PluginInfo(
             type=PLUGIN_TYPE,
             name=driver_name,
             endpoint=str(endpoint),
@@ -352,25 +630,29 @@ class _RegistrationService:
         )
         self._on_status = on_status
 
-    async def GetInfo(self, request: api.InfoRequest) -> api.PluginInfo:  # noqa: N802 (gRPC name)
+    async def GetInfo(  # noqa: N802 (gRPC name)
+        self, request: pluginregistration_v1_pb2.InfoRequest
+    ) -> pluginregistration_v1_pb2.PluginInfo:
         return self._info
 
     async def NotifyRegistrationStatus(  # noqa: N802 (gRPC name)
-        self, request: api.RegistrationStatus
-    ) -> api.RegistrationStatusResponse:
+        self, request: pluginregistration_v1_pb2.RegistrationStatus
+    ) -> pluginregistration_v1_pb2.RegistrationStatusResponse:
         self._on_status(RegistrationStatus(registered=request.plugin_registered, error=request.error))
-        return api.RegistrationStatusResponse()
+        return pluginregistration_v1_pb2.RegistrationStatusResponse()
 
 
 # --- health ------------------------------------------------------------------------------------------------
 
 
 class _HealthService:
+    """`grpc.health.v1.Health` as grpclib's generated module has it: Check; Watch is refused (poll Check)."""
+
     def __init__(self, self_check: Any, readiness: Callable[[], Sequence[str]]) -> None:
         self._self_check = self_check
         self._readiness = readiness
 
-    async def _status(self, service: str) -> int:
+    async def _status(self, service: str) -> Any:
         problem = await self._self_check()
         if problem:
             log.warning("health check failed: %s", problem)
@@ -379,18 +661,14 @@ class _HealthService:
             return NOT_SERVING  # the agent logged why when it happened
         return SERVING
 
-    async def Check(self, request: api.HealthCheckRequest) -> api.HealthCheckResponse:  # noqa: N802 (gRPC name)
+    async def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:  # noqa: N802
         if request.service not in HEALTH_SERVICES | {READINESS_SERVICE}:
             raise GRPCError(Status.NOT_FOUND, f"unknown service {request.service!r}")
-        return api.HealthCheckResponse(status=await self._status(request.service))
+        return health_pb2.HealthCheckResponse(status=await self._status(request.service))
 
-    async def List(self, request: api.HealthListRequest) -> api.HealthListResponse:  # noqa: N802 (gRPC name)
-        statuses = {name: await self._status(name) for name in (*sorted(HEALTH_SERVICES), READINESS_SERVICE)}
-        return api.HealthListResponse(
-            statuses={name: api.HealthCheckResponse(status=s) for name, s in statuses.items()}
-        )
-
-    async def Watch(self, request: api.HealthCheckRequest) -> AsyncIterator[api.HealthCheckResponse]:  # noqa: N802
+    async def Watch(  # noqa: N802 (gRPC name)
+        self, request: health_pb2.HealthCheckRequest
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         raise GRPCError(Status.UNIMPLEMENTED, "Watch is not served; poll Check")
         yield  # an async generator, as a server stream's method is
 
@@ -412,10 +690,13 @@ class PluginServer:
         self_check_timeout_s: float = 3.0,
         readiness: Callable[[], Sequence[str]] = lambda: (),
         device_health: HealthReports | None = None,
+        health_bounds: Bounds = HEALTH_BOUNDS,
+        kubelet_bounds: Bounds = KUBELET_BOUNDS,
     ) -> None:
         """health_port None disables the health server; 0 picks a free port (see `health_port`). health_host
         is the address it binds (the pod IP, so several agents on one machine do not clash); empty: all.
-        device_health: what the kubelet's device health stream reports (default: no devices)."""
+        device_health: what the kubelet's device health stream reports (default: no devices). The bounds are
+        those of the health port and of the kubelet's sockets."""
         for path in (paths.registration, paths.dra):
             _check_socket_path(path)
         self.paths = paths
@@ -427,8 +708,11 @@ class PluginServer:
         self._readiness = readiness
         self.device_health = device_health or HealthReports((), pool="", host_managed=False, imex_problem=lambda: None)
         self._calls = _Calls()
+        self._health_bounds = health_bounds
+        self._kubelet_bounds = kubelet_bounds
+        self._check: asyncio.Task[str | None] | None = None
         # Started servers, in stop order: registration first, so the kubelet stops routing to us first.
-        self._servers: dict[str, Server] = {}
+        self._servers: dict[str, _BoundedServer] = {}
         self.health_port: int | None = None
         self.registration_status: RegistrationStatus | None = None
         self.registered = asyncio.Event()
@@ -440,14 +724,14 @@ class PluginServer:
             raise RuntimeError("PluginServer already started")
         calls = self._calls
         dra = _Servable(
-            _mapping(calls, api.DRA_V1, _DraService(self._preparer, "v1", carries_share_id=True))
-            | _mapping(calls, api.DRA_V1BETA1, _DraService(self._preparer, "v1beta1", carries_share_id=False))
-            | _mapping(calls, api.DRA_HEALTH, _ResourceHealthService(self.device_health))
+            _mapping(calls, DRA_V1_METHODS, _DraService(self._preparer, "v1", dra_v1_pb2))
+            | _mapping(calls, DRA_V1BETA1_METHODS, _DraService(self._preparer, "v1beta1", dra_v1beta1_pb2))
+            | _mapping(calls, DRA_HEALTH_METHODS, _ResourceHealthService(self.device_health))
         )
         registration = _Servable(
             _mapping(
                 calls,
-                api.REGISTRATION,
+                REGISTRATION_METHODS,
                 _RegistrationService(self.driver_name, self.paths.dra, self._record_registration),
             )
         )
@@ -457,8 +741,10 @@ class PluginServer:
             if self._health_port_wanted is not None:
                 listener = _tcp_listener(self._health_host, self._health_port_wanted)
                 self.health_port = int(listener.getsockname()[1])
-                health = _Servable(_mapping(calls, api.GRPC_HEALTH, _HealthService(self.self_check, self._readiness)))
-                server = Server([health], codec=CODEC)
+                health = _Servable(
+                    _mapping(calls, GRPC_HEALTH_METHODS, _HealthService(self.self_check, self._readiness))
+                )
+                server = _BoundedServer(health, self._health_bounds)
                 await server.start(sock=listener)
                 self._servers["health"] = server
         except BaseException:
@@ -503,7 +789,7 @@ class PluginServer:
     async def _start_unix(self, name: str, path: Path, servable: _Servable) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_socket(path)
-        server = Server([servable], codec=CODEC)
+        server = _BoundedServer(servable, self._kubelet_bounds)
         await server.start(path=str(path))
         self._servers[name] = server
 
@@ -525,23 +811,32 @@ class PluginServer:
     # -- self check (used by the health service)
 
     async def self_check(self) -> str | None:
-        """Dial our own sockets by path like the kubelet does. Returns None when healthy, else why not."""
+        """Dial our own sockets by path like the kubelet does. Returns None when healthy, else why not. One
+        check at a time: the health port's callers all wait for the one in progress, so that they cannot take
+        the kubelet's connection slots on the unix sockets."""
+        if self._check is None:
+            self._check = asyncio.create_task(self._dial_self(), name="plugin-self-check")
+            self._check.add_done_callback(lambda _: setattr(self, "_check", None))
+        return await asyncio.shield(self._check)
+
+    async def _dial_self(self) -> str | None:
         deadline = self._self_check_timeout_s
         try:
-            channel = Channel(path=str(self.paths.registration), codec=CODEC)
+            channel = Channel(path=str(self.paths.registration))
             try:
-                info = await _unary(channel, api.REGISTRATION, "GetInfo")(api.InfoRequest(), timeout=deadline)
+                info = await _unary(channel, REGISTRATION_METHODS, "GetInfo")(
+                    pluginregistration_v1_pb2.InfoRequest(), timeout=deadline
+                )
             finally:
                 channel.close()
             if info.name != self.driver_name or info.endpoint != str(self.paths.dra):
                 where = self.paths.registration
                 return f"registration socket {where} answers for {info.name} at {info.endpoint}"
-            channel = Channel(path=str(self.paths.dra), codec=CODEC)
+            channel = Channel(path=str(self.paths.dra))
             try:
-                for service in (api.DRA_V1, api.DRA_V1BETA1):
-                    await _unary(channel, service, "NodePrepareResources")(
-                        api.NodePrepareResourcesRequest(), timeout=deadline
-                    )
+                for methods in (DRA_V1_METHODS, DRA_V1BETA1_METHODS):
+                    prepare = _method(methods, "NodePrepareResources")
+                    await _unary(channel, methods, prepare.name)(prepare.request(), timeout=deadline)
             finally:
                 channel.close()
         except GRPCError as exc:
@@ -551,9 +846,9 @@ class PluginServer:
         return None
 
 
-def _unary(channel: Channel, service: api.Service, method: str) -> UnaryUnaryMethod[Any, Any]:
-    described = service.method(method)
-    return UnaryUnaryMethod(channel, service.path(method), described.request, described.reply)
+def _unary(channel: Channel, methods: Sequence[_Method], name: str) -> UnaryUnaryMethod[Any, Any]:
+    described = _method(methods, name)
+    return UnaryUnaryMethod(channel, described.path, described.request, described.reply)
 
 
 def _tcp_listener(host: str, port: int) -> socket.socket:

@@ -4,22 +4,26 @@ domain's IMEX daemon onto the node, and the `nvidia.com/gpu.clique` topology lab
 Writes are JSON merge patches of `metadata.labels` only (never a full Node update, which could overwrite
 other writers' fields). The CD label is written conditionally, with the resourceVersion that was read, so
 "add only if absent" and "remove only while it still has our value" hold against concurrent writers (the
-controller's orphan sweep, another node agent during an upgrade); a conflict re-reads and decides again.
+controller's orphan sweep, another node agent during an upgrade); a conflict re-reads and decides again
+(``computedomain.retry.again_on``, at most five attempts).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
 
 from computedomain.kube.client import NODES, KubeClient, Raw
 from computedomain.kube.errors import Conflict
 from computedomain.kube.informer import Informer
 from computedomain.plugin.failures import LabelConflictError
+from computedomain.retry import again_on
 
 log = logging.getLogger(__name__)
 
 _MAX_CONFLICTS: Final = 5
+T = TypeVar("T")
 
 
 class NodeLabels:
@@ -31,7 +35,8 @@ class NodeLabels:
         self.node_name = node_name
         self.informer = informer
 
-    def _cached(self, key: str) -> str | None:
+    def cached(self, key: str) -> str | None:
+        """The label's value as the Node's watch last saw it (None: absent, or no synced watch)."""
         if self.informer is None or not self.informer.synced:
             return None
         node = self.informer.get(self.node_name)
@@ -51,9 +56,10 @@ class NodeLabels:
         await self._client.merge_patch(NODES, self.node_name, {"metadata": meta})
 
     async def ensure_label(self, key: str, value: str) -> None:
-        if self._cached(key) == value:
+        if self.cached(key) == value:
             return  # the daemon of this domain runs here already: the common case of a Prepare
-        for _ in range(_MAX_CONFLICTS):
+
+        async def once() -> None:
             labels, rv = await self._read()
             current = labels.get(key)
             if current == value:
@@ -63,29 +69,29 @@ class NodeLabels:
                     f"node {self.node_name} carries {key}={current} of another ComputeDomain; a node serves one "
                     "ComputeDomain at a time, waiting for that domain's claim to be unprepared"
                 )
-            try:
-                await self._patch({key: value}, rv)
-            except Conflict:
-                continue
+            await self._patch({key: value}, rv)
             log.info("labelled node node=%s %s=%s", self.node_name, key, value)
-            return
-        raise LabelConflictError(
-            f"node {self.node_name}: label {key} kept changing under us ({_MAX_CONFLICTS} conflicts)"
-        )
+
+        await self._again_on_conflict(key, once)
 
     async def remove_label_if(self, key: str, value: str) -> bool:
-        for _ in range(_MAX_CONFLICTS):
+        async def once() -> bool:
             labels, rv = await self._read()
             if labels.get(key) != value:
                 return False
-            try:
-                await self._patch({key: None}, rv)
-            except Conflict:
-                continue
+            await self._patch({key: None}, rv)
             return True
-        raise LabelConflictError(
-            f"node {self.node_name}: label {key} kept changing under us ({_MAX_CONFLICTS} conflicts)"
-        )
+
+        return await self._again_on_conflict(key, once)
+
+    async def _again_on_conflict(self, key: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt`` (read, decide, write with the resourceVersion read) again after a 409, a few times."""
+        try:
+            return await again_on(_MAX_CONFLICTS, Conflict)(attempt)
+        except Conflict:
+            raise LabelConflictError(
+                f"node {self.node_name}: label {key} kept changing under us ({_MAX_CONFLICTS} conflicts)"
+            ) from None
 
     async def set_label(self, key: str, value: str | None) -> bool:
         """Make key=value (None: absent), unconditionally. Returns whether a write was needed."""

@@ -93,13 +93,17 @@ class _Config:
 
 
 def device_kind(device_name: str) -> DeviceKind:
-    """`channel-<n>` / `daemon-<n>`, the device names this driver publishes."""
+    """`channel-<n>` / `channel-0-<n>` / `daemon-<n>`, the device names this driver publishes."""
     kind, _, index = device_name.rpartition("-")
+    if kind == "channel-0":  # a further place on channel 0 (design note 0014)
+        kind = "channel"
     if index.isdigit():
         for candidate in DeviceKind:
             if kind == candidate.value:
                 return candidate
-    raise ConfigError(f"device {brief(device_name)} is not a {DRIVER_NAME} device (expected channel-N or daemon-N)")
+    raise ConfigError(
+        f"device {brief(device_name)} is not a {DRIVER_NAME} device (expected channel-N, channel-0-N or daemon-N)"
+    )
 
 
 def _as_list(value: Any, where: str) -> list[Any]:

@@ -24,6 +24,10 @@ configs. It cancels a Prepare of the same claim still running in this process, u
 (label only while it still has our value; CDI spec files; the claim's entry in its domain's channel record,
 best effort, which the cleanup finishes), and leaves a tombstone.
 
+A claim that waits for IMEX says so once, as a Warning Event `WaitingForIMEX` on each pod it is reserved
+for (node, mode, what was seen), and keeps waiting; from then on its claim is watched, and once the claim is
+gone (its pod deleted) the Prepare is cancelled and undone at once, as an Unprepare would.
+
 Concurrency: one task per claim of a request; claims are independent except through the checkpoint, whose
 read-modify-writes run one at a time in a worker thread (``run_blocking``, injectable) (an asyncio lock in front of the file lock keeps
 this process's own threads from polling for it). Per claim UID, one attempt at a time.
@@ -65,6 +69,7 @@ from computedomain.plugin.claim_plan import ClaimPlanner, DevicePlan
 from computedomain.plugin.collaborators import (
     ChannelAssignments,
     ClaimReader,
+    ClaimSnapshot,
     DaemonReadiness,
     DomainLookup,
     Hardware,
@@ -140,8 +145,16 @@ class Preparer:
         now: Callable[[], datetime] = utcnow,
         rng: random.Random | None = None,
         run_blocking: RunBlocking = asyncio.to_thread,
+        on_change: Callable[[], None] | None = None,
+        notify: Callable[[ClaimSnapshot, str], None] | None = None,
     ) -> None:
         self.config = config
+        #: tells a claim's pods what it waits for (the agent: an Event on each), once per claim
+        self.notify = notify or (lambda _claim, _message: None)
+        self._noticed: set[str] = set()
+        self._gone_watches: dict[str, asyncio.Task[None]] = {}
+        #: told when a claim entry begins or is undone (``node_holder``: which domain holds the node)
+        self.on_change = on_change or (lambda: None)
         self.run_blocking = run_blocking
         self.store = store
         self.cdi = cdi_dir
@@ -174,6 +187,7 @@ class Preparer:
             clock=self.clock,
             run_blocking=run_blocking,
         )
+        self.claims = claims
         self._store_lock = asyncio.Lock()
         self._claim_locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._inflight: dict[str, set[asyncio.Task[Any]]] = {}
@@ -290,12 +304,15 @@ class Preparer:
                     None,
                 )
             )
+            self.on_change()
             edits: dict[str, ContainerEdits] = {}
             devices_planned = list(plan.devices)
             for i, device in enumerate(devices_planned):
                 if device.isolated:
                     devices_planned[i] = device = await self._acquire_channel(ref, device, deadline)
-                edits[device.resolved.device.device] = await self.effects.apply(device, deadline)
+                edits[device.resolved.device.device] = await self.effects.apply(
+                    device, deadline, lambda why: self._waiting(ref, plan.claim, why)
+                )
             spec = ClaimSpec(ref.uid, edits)
             await self.run_blocking(self.cdi.write, spec)
             devices = tuple(self._result_device(spec, d) for d in devices_planned)
@@ -305,12 +322,44 @@ class Preparer:
                 # Another process unprepared the claim meanwhile (its tombstone is there): drop our spec again.
                 await self.run_blocking(self.cdi.remove, ref.uid)
                 raise ClaimRejected(f"claim {ref} was unprepared while it was being prepared") from None
+        self._forget(ref.uid)
         log.info(
             "prepared claim=%s devices=%s",
             ref,
             ",".join(f"{d.device_name}:{'/'.join(d.cdi_device_ids) or '-'}" for d in devices),
         )
         return PrepareResult(devices=tuple(_to_prepared(d) for d in devices))
+
+    def _waiting(self, ref: ClaimRef, claim: ClaimSnapshot, why: str) -> None:
+        """The claim waits for IMEX: say so to its pods once, and from now on undo it as soon as its pod is
+        gone (the kubelet may never call again for a deleted pod)."""
+        if ref.uid in self._noticed:
+            return
+        self._noticed.add(ref.uid)
+        mode = "hostManaged" if self.config.host_managed else "driverManaged"
+        message = f"waiting for IMEX on node {self.config.node_name} ({mode}): {why}; the pod starts once it is ready"
+        log.info("claim waits for IMEX claim=%s why=%s", ref, why)
+        self.notify(claim, message)
+        if ref.uid not in self._gone_watches:
+            self._gone_watches[ref.uid] = asyncio.create_task(self._undo_when_gone(ref), name=f"gone-{ref.uid}")
+
+    async def _undo_when_gone(self, ref: ClaimRef) -> None:
+        try:
+            await self.claims.wait_gone(ref.namespace, ref.name, ref.uid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("cannot watch the waiting claim (the cleanup undoes it later) claim=%s error=%s", ref, exc)
+            return
+        self._gone_watches.pop(ref.uid, None)
+        log.info("claim gone while it waited for IMEX; undoing it claim=%s", ref)
+        await self._unprepare_attempt(ref)
+
+    def _forget(self, uid: str) -> None:
+        self._noticed.discard(uid)
+        watch = self._gone_watches.pop(uid, None)
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
 
     async def _acquire_channel(self, ref: ClaimRef, device: DevicePlan, deadline: float) -> DevicePlan:
         """Channel isolation: hold the domain's channel in this clique (listed in its record before anything
@@ -346,6 +395,7 @@ class Preparer:
     # -- unprepare
 
     async def _unprepare_attempt(self, ref: ClaimRef) -> UnprepareResult:
+        self._forget(ref.uid)
         await self._cancel_inflight_prepare(ref)
         async with self._claim_lock(ref.uid):
             entry = await self.undo(ref.uid)
@@ -371,16 +421,18 @@ class Preparer:
         entry = undo_plan(checkpoint, uid)
         if entry is None:
             return None
+        for spec_file in entry.cdi_spec_files:
+            await self.run_blocking(self.cdi.remove_recorded, spec_file)
         for resource in entry.resources:
             label = resource.node_label
-            if label is not None:
+            # Several claims of the domain may be prepared here: its label goes with the last of them.
+            if label is not None and not _label_kept(checkpoint, uid, label.key, label.value):
                 removed = await self.labels.remove_label_if(label.key, label.value)
                 if removed:
                     log.info("removed node label %s=%s claim=%s", label.key, label.value, uid)
-        for spec_file in entry.cdi_spec_files:
-            await self.run_blocking(self.cdi.remove_recorded, spec_file)
         await self._release_channels(uid, entry)
         await self._update(lambda cp: (finish_unprepare(cp, uid, now=self._now()), None))
+        self.on_change()
         return entry
 
     async def _release_channels(self, uid: str, entry: ClaimEntry) -> None:
@@ -411,6 +463,34 @@ class Preparer:
                 if await self.channels.release(domain_uid, clique_id, claim_uid):
                     released.append(claim_uid)
         return released
+
+    async def hold_prepared_channels(self) -> list[str]:
+        """Cleanup: every claim the checkpoint holds with a channel stays listed in its record, whatever was
+        written there since (``ChannelAssignments.hold``). Returns the claim UIDs listed again."""
+        if self.channels is None:
+            return []
+        relisted = []
+        for uid in list((await self.run_blocking(self.store.read)).claims):
+            # Under the claim lock, read again: an Unprepare that took the entry off must not see it come back.
+            async with self._claim_lock(uid):
+                entry = (await self.run_blocking(self.store.read)).get(uid)
+                if entry is None or entry.state.is_tombstone:
+                    continue
+                for resource in entry.resources:
+                    held = resource.clique_id is not None and bool(resource.channels)
+                    if held and await self.channels.hold(resource.domain_id, str(resource.clique_id), uid):
+                        relisted.append(uid)
+        return relisted
+
+
+def _label_kept(cp: Checkpoint, uid: str, key: str, value: str) -> bool:
+    """Another live claim on this node set the same label."""
+    return any(
+        r.node_label is not None and r.node_label.key == key and r.node_label.value == value
+        for e in cp.claims.values()
+        if e.uid != uid and not e.state.is_tombstone
+        for r in e.resources
+    )
 
 
 def _to_prepared(device: CheckpointDevice) -> PreparedDevice:

@@ -3,7 +3,9 @@
 One pool named after the node, one slice, owned by the Node (so it goes when the Node goes), holding
 `channel-0` {type: channel, id: 0} and, in driverManaged mode, `daemon-0` {type: daemon, id: 0} (SPEC
 section 2); with channel isolation `channel-1` ... too (`IMEX_CHANNEL_CLAIMS_PER_NODE` in all), so that claims
-of several domains fit on one node. A node without IMEX support (no `nvidia-caps-imex-channels` device, no params) publishes
+of several domains fit on one node. Without it the further places are `channel-0-1` ... {type: channel, id: 0}
+(several pods on channel 0): always in hostManaged mode; in driverManaged mode only while a domain holds the
+node, each device then carrying that domain as attribute `domain` (`node_holder`, design note 0014). A node without IMEX support (no `nvidia-caps-imex-channels` device, no params) publishes
 nothing, and says why once in the log and as a Warning Event on the Node, instead of crash-looping.
 
 The slice has a deterministic name (`<node>-compute-domain.nvidia.com`, shortened with a hash if too long);
@@ -26,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from computedomain.api.constants import DRIVER_NAME
+from computedomain.api.constants import DRIVER_NAME, HOLDER_ATTRIBUTE
 from computedomain.kube.client import NODES, RESOURCE_SLICES, KubeClient, Raw
 from computedomain.kube.converge import DEFAULT_RETRIES, DONE, Converger, ReconcileResult, Retries
 from computedomain.kube.errors import AlreadyExists, Conflict, NotFound
@@ -46,17 +48,48 @@ class Device:
     name: str
     type: str
     id: int
+    #: the ComputeDomain holding the node (driverManaged, IMEX_ISOLATION=domain), None: no holder
+    holder: str | None = None
 
     def to_api(self) -> Raw:
-        return {"name": self.name, "attributes": {"type": {"string": self.type}, "id": {"int": self.id}}}
+        attributes: Raw = {"type": {"string": self.type}, "id": {"int": self.id}}
+        if self.holder is not None:
+            attributes[HOLDER_ATTRIBUTE] = {"string": self.holder}
+        return {"name": self.name, "attributes": attributes}
 
 
-def published_devices(*, host_managed: bool, imex_supported: bool, channel_devices: int = 1) -> tuple[Device, ...]:
-    """``channel_devices`` > 1 only with channel isolation: then each channel device is a place for one claim
-    (of any domain), and the IMEX channel the claim gets is its domain's, not the device's id."""
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """Which domain holds a driverManaged node (``node_holder``). ``draining``: its last claim here is gone;
+    only ``channel-0`` stays, still its own, until no pod of it can be on the way to this node."""
+
+    domain: str
+    draining: bool = False
+
+
+def published_devices(
+    *,
+    host_managed: bool,
+    imex_supported: bool,
+    channel_devices: int = 1,
+    isolated: bool = False,
+    holding: Holding | None = None,
+) -> tuple[Device, ...]:
+    """Each channel device is a place for one claim. With channel isolation (``isolated``) the IMEX channel a
+    claim gets is its domain's, not the device's id. Without it every place is channel 0: all of them in
+    hostManaged mode (every domain shares the host's IMEX domain); in driverManaged mode only ``channel-0``
+    while no domain holds the node (of two domains' claims at once the scheduler gives it to one), all of them
+    with the holder's UID while one does, and ``channel-0`` with it while the holder drains."""
     if not imex_supported:
         return ()
-    channels = tuple(Device(cdi.channel_device(i), "channel", i) for i in range(channel_devices))
+    if isolated:
+        channels = tuple(Device(cdi.channel_device(i), "channel", i) for i in range(channel_devices))
+    elif host_managed:
+        channels = tuple(Device(cdi.channel_device(i, isolated=False), "channel", 0) for i in range(channel_devices))
+    else:
+        places = 1 if holding is None or holding.draining else channel_devices
+        owner = holding.domain if holding is not None else None
+        channels = tuple(Device(cdi.channel_device(i, isolated=False), "channel", 0, owner) for i in range(places))
     if host_managed:
         return channels
     return (*channels, Device(cdi.DAEMON_DEVICE, "daemon", 0))
@@ -150,6 +183,7 @@ class SlicePublisher:
         no_imex_reason: str | None = None,
         driver: str = DRIVER_NAME,
         retries: Retries = DEFAULT_RETRIES,
+        wait_for_devices: bool = False,
     ) -> None:
         self.client = client
         self.node_name = node_name
@@ -171,6 +205,20 @@ class SlicePublisher:
             on_delete=lambda _: self.loop.add(_KEY),
         )
         self.synced = asyncio.Event()
+        # With ``wait_for_devices`` nothing is written before the first ``set_devices`` (``node_holder``).
+        self.devices_known = asyncio.Event()
+        if not wait_for_devices:
+            self.devices_known.set()
+
+    def set_devices(self, devices: Sequence[Device]) -> None:
+        """Publish ``devices`` from now on (``node_holder``: the domain holding the node changed)."""
+        devices = tuple(devices)
+        first = not self.devices_known.is_set()
+        self.devices_known.set()
+        if devices != self.devices or first:
+            self.devices = devices
+            log.info("publishing ResourceSlice node=%s devices=%s", self.node_name, _describe(devices))
+            self.loop.add(_KEY)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tasks:
@@ -179,6 +227,7 @@ class SlicePublisher:
 
     async def _loop(self) -> None:
         await self.informer.has_synced()
+        await self.devices_known.wait()
         self._announce()
         self.loop.add(_KEY)
         await self.loop.run()
@@ -189,9 +238,7 @@ class SlicePublisher:
 
     def _announce(self) -> None:
         if self.devices:
-            log.info(
-                "publishing ResourceSlice node=%s devices=%s", self.node_name, ",".join(d.name for d in self.devices)
-            )
+            log.info("publishing ResourceSlice node=%s devices=%s", self.node_name, _describe(self.devices))
             return
         reason = self.no_imex_reason or "no IMEX support"
         log.warning(
@@ -242,3 +289,7 @@ class SlicePublisher:
         if not self.synced.is_set():
             log.info("ResourceSlice in sync node=%s", self.node_name)
             self.synced.set()
+
+
+def _describe(devices: Sequence[Device]) -> str:
+    return ",".join(d.name + (f"({HOLDER_ATTRIBUTE}={d.holder})" if d.holder else "") for d in devices)

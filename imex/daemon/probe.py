@@ -10,7 +10,7 @@ IMEX leaves READY for the moment it connects to a peer that just joined (every S
 peer), and the readiness probe is strict (period 10 s, one failure): a probe that landed in that moment
 marked the pod NotReady for a whole period, so the domain flapped NotReady whenever a node joined. While the
 ctl answers WAITING_FOR_PEERS, the verdict is the first READY within ``SETTLE_S`` (checked again every
-``SETTLE_EVERY_S``), else the last one: a peer that does not connect still fails the probe.
+``SETTLE_EVERY_S``, a tenacity poll on the daemon's clock), else the last one: a peer that does not connect still fails the probe.
 
 The port is reachable from other pods, so a request never starts a ctl of its own (``SharedCheck``): at most
 one verdict is being reached at a time, every request that comes meanwhile waits for it, and a verdict
@@ -26,10 +26,13 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
+from tenacity import retry_if_result, wait_fixed
+
 from computedomain.http import Answer, HttpServer, start_http
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.informer import Informer
 from computedomain.kube.informer import problems as informer_problems
+from computedomain.retry import before_deadline, last_result, retrying
 from imex.daemon.check import CheckResult, check
 from imex.daemon.settings import DaemonSettings
 from imex.host_check import ImexState
@@ -47,11 +50,14 @@ Check = Callable[[DaemonSettings], Awaitable[CheckResult]]
 
 async def settled_check(settings: DaemonSettings, clock: Clock, *, run: Check = check) -> CheckResult:
     """``check``, again while IMEX is between peers (see the module docstring), for at most ``SETTLE_S``."""
-    deadline = clock.now() + SETTLE_S
-    result = await run(settings)
-    while result.state is ImexState.WAITING_FOR_PEERS and clock.now() < deadline:
-        await clock.sleep(SETTLE_EVERY_S)
-        result = await run(settings)
+    settle = retrying(
+        clock,
+        wait=wait_fixed(SETTLE_EVERY_S),
+        stop=before_deadline(clock, clock.now() + SETTLE_S),
+        retry=retry_if_result(lambda result: result.state is ImexState.WAITING_FOR_PEERS),
+        give_up=last_result,
+    )
+    result: CheckResult = await settle(run, settings)
     return result
 
 

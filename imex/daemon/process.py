@@ -3,8 +3,9 @@
 What it owns:
 
 * ``ImexProcess``: starts ``nvidia-imex -c <cfg>`` in the foreground, copies its combined stdout/stderr into
-  our log line by line, restarts it with exponential backoff when it exits unasked (the backoff resets after
-  a child ran longer than the maximum delay), restarts it on request (``restart``: only when the daemon's
+  our log line by line, restarts it with exponential backoff when it exits unasked (a tenacity loop with
+  ``computedomain.retry.Backoff``, no jitter: one child per pod, nothing to spread; the count starts over
+  after a child ran longer than the maximum delay, and every unasked exit is a WARNING), restarts it on request (``restart``: only when the daemon's
   own index changed, or in legacy IP mode when the peer list changed), and stops it gracefully: SIGTERM,
   then SIGKILL after ``stop_timeout`` (on the injected clock, like the backoff). A new child is spawned only after the previous one has been reaped
   (``wait()`` returned), so there are never two IMEX daemons fighting for the same ports and node ID;
@@ -21,7 +22,7 @@ the whole group, so no orphaned IMEX daemon survives its supervisor.
 Concurrency: one event loop. ``start``, ``restart`` and ``stop`` hold an ``asyncio.Lock`` for the whole
 spawn or terminate-and-reap, so they never interleave. One supervisor task per ``ImexProcess`` waits for
 the current child's exit; when the child it waited for is no longer the current one (``restart`` replaced
-it) it does nothing, otherwise it sleeps the backoff and spawns under the same lock. All waiting goes
+it) it waits for the new one, otherwise tenacity sleeps the backoff and the next attempt spawns under the lock. All waiting goes
 through the injectable ``Clock``.
 """
 
@@ -34,12 +35,25 @@ import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
 
-from computedomain.kube.clock import Clock, MonotonicClock, run_within
+from tenacity import RetryCallState, retry_if_exception_type
 
-__all__ = ["ImexProcess", "ReloadCoalescer"]
+from computedomain.kube.clock import Clock, MonotonicClock, run_within
+from computedomain.retry import Backoff, retrying
+
+__all__ = ["ChildExited", "ImexProcess", "ReloadCoalescer"]
 
 log = logging.getLogger(__name__)
 child_log = logging.getLogger("imex.daemon.nvidia-imex")
+
+
+class ChildExited(Exception):  # noqa: N818 (an event the restart loop retries on, not a failure of ours)
+    """The child exited without being asked to; the supervisor restarts it after the backoff."""
+
+    def __init__(self, pid: int, returncode: int | None, lived: float) -> None:
+        super().__init__(f"pid {pid} exited with {returncode} after {lived:.1f}s")
+        self.pid = pid
+        self.returncode = returncode
+        self.lived = lived
 
 
 class ReloadCoalescer:
@@ -240,6 +254,24 @@ class ImexProcess:
     # ---- supervision ----------------------------------------------------------------------------------
 
     async def _supervise(self) -> None:
+        # tenacity runs the restarts; the failure count is ours, because it starts over after a healthy run.
+        backoff = Backoff(self.backoff_initial, self.backoff_max, spread=0)
+        restarts = retrying(
+            self._clock,
+            wait=lambda _: backoff.delay(self._failures),
+            retry=retry_if_exception_type(ChildExited),
+            before_sleep=self._log_exit,
+        )
+        async for attempt in restarts:
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    async with self._lock:  # after the backoff; start() spawned the first child
+                        if self._wanted and (self._child is None or self._child.returncode is not None):
+                            await self._spawn_locked()
+                await self._until_unexpected_exit()
+
+    async def _until_unexpected_exit(self) -> None:
+        """Wait for the current child; raise ``ChildExited`` when it exits unasked, return when not wanted."""
         while self._wanted:
             child = self._child
             if child is None:
@@ -251,22 +283,20 @@ class ImexProcess:
                 await self._reap_locked()
                 lived = self._clock.now() - self._child_started
                 self.unexpected_exits += 1
-                if lived >= self.backoff_max:
-                    self._failures = 0
-                delay = min(self.backoff_max, self.backoff_initial * 2 ** min(self._failures, 30))
-                self._failures += 1
-                log.warning(
-                    "%s pid=%d exited unexpectedly exit=%s lived=%.1fs restart_in=%.2fs",
-                    self.name,
-                    child.pid,
-                    child.returncode,
-                    lived,
-                    delay,
-                )
-            await self._clock.sleep(delay)
-            async with self._lock:
-                if self._wanted and (self._child is None or self._child.returncode is not None):
-                    await self._spawn_locked()
+                self._failures = 1 if lived >= self.backoff_max else self._failures + 1
+                raise ChildExited(child.pid, child.returncode, lived)
+
+    def _log_exit(self, retry_state: RetryCallState) -> None:
+        exc = retry_state.outcome.exception() if retry_state.outcome is not None else None
+        if isinstance(exc, ChildExited):
+            log.warning(
+                "%s pid=%d exited unexpectedly exit=%s lived=%.1fs restart_in=%.2fs",
+                self.name,
+                exc.pid,
+                exc.returncode,
+                exc.lived,
+                retry_state.upcoming_sleep,
+            )
 
     async def _copy_output(self, child: asyncio.subprocess.Process) -> None:
         stream = child.stdout

@@ -6,6 +6,14 @@ controller aggregates it). Upstream noticed NotReady -> Ready only at the next i
 late (#742). Here an informer on exactly our pod (field selector on the name) delivers every change as a watch
 event, and each event is mirrored at once; there is no periodic resync to wait for.
 
+Before the kubelet first marks our pod Ready, the entry follows the daemon's own check instead: the startup
+probe asks it only once a second, so a daemon whose IMEX turned READY just after a probe would keep its first
+pod's Prepare waiting for the next one. Our own check (the same ctl query the
+probe runs) is asked every ``EARLY_MIN_S`` at first, backing off to ``EARLY_MAX_S``, and the entry is Ready
+from its first READY; from the pod's first Ready on, the pod's condition alone decides, as above. The kubelet
+sees the same READY at its next probe, so the two agree within a probe period; a check that turns not ready
+again before that takes the entry back to NotReady.
+
 What it owns: ``pod_status`` (pure: phase Running and condition Ready=True -> Ready; a pod with another UID
 -- a replacement that reused the name -- is not ours and yields None), and ``ReadinessMirror``, the loop.
 
@@ -19,14 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
+
+from tenacity import retry_if_result, wait_exponential
 
 from computedomain.api.types import ReadyStatus
 from computedomain.kube.client import PODS, KubeClient, Raw
-from computedomain.kube.clock import Clock
+from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.converge import DEFAULT_RETRIES, DONE, Converger, ReconcileResult, Retries
 from computedomain.kube.informer import Informer
+from computedomain.retry import retrying
+from imex.daemon.check import CheckResult
 from imex.daemon.registration import Registry
 
 __all__ = ["ReadinessMirror", "pod_status"]
@@ -34,6 +46,10 @@ __all__ = ["ReadinessMirror", "pod_status"]
 log = logging.getLogger(__name__)
 
 _KEY = "readiness"
+
+#: how often our own check is asked before the pod's first Ready: at first, and at most
+EARLY_MIN_S: Final = 0.1
+EARLY_MAX_S: Final = 1.0
 
 
 def pod_status(pod: Mapping[str, Any] | None, pod_uid: str) -> ReadyStatus | None:
@@ -62,12 +78,19 @@ class ReadinessMirror:
         pod_uid: str,
         retries: Retries = DEFAULT_RETRIES,
         clock: Clock | None = None,
+        own_check: Callable[[], Awaitable[CheckResult]] | None = None,
     ) -> None:
         self.registry = registry
+        self.clock = clock or MonotonicClock()
+        self.own_check = own_check
+        self.pod_was_ready = False  # from the pod's first Ready on, its condition alone decides
+        self.check_ready = False  # our own check's latest verdict, until then
         self.namespace = namespace
         self.pod_name = pod_name
         self.pod_uid = pod_uid
-        self.loop: Converger[str] = Converger(f"readiness/{pod_name}", self._reconcile, retries=retries, clock=clock)
+        self.loop: Converger[str] = Converger(
+            f"readiness/{pod_name}", self._reconcile, retries=retries, clock=self.clock
+        )
         self.informer: Informer[Raw] = Informer(
             client,
             PODS,
@@ -86,11 +109,36 @@ class ReadinessMirror:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self.informer.run(), name="own-pod-informer")
             tasks.create_task(self._loop(), name="readiness-loop")
+            if self.own_check is not None:
+                tasks.create_task(self._until_pod_ready(), name="readiness-early")
 
     async def _loop(self) -> None:
         await self.informer.has_synced()
         self.loop.add(_KEY)
         await self.loop.run()
+
+    async def _until_pod_ready(self) -> None:
+        poll = retrying(
+            self.clock,
+            wait=wait_exponential(multiplier=EARLY_MIN_S, min=EARLY_MIN_S, max=EARLY_MAX_S),
+            retry=retry_if_result(lambda done: not done),
+        )
+        await poll(self.early_once)
+
+    async def early_once(self) -> bool:
+        """Ask our own check once, unless the pod was Ready already (then True: the poll ends)."""
+        if self.pod_was_ready:
+            return True
+        assert self.own_check is not None
+        try:
+            ready = (await self.own_check()).ready
+        except Exception as exc:  # the probes report a broken check; here it only means "not yet"
+            log.debug("own check failed: %r", exc)
+            ready = False
+        if ready != self.check_ready and not self.pod_was_ready:
+            self.check_ready = ready
+            self.loop.add(_KEY)
+        return self.pod_was_ready
 
     async def _reconcile(self, _key: str) -> ReconcileResult:
         await self.mirror_once()
@@ -100,10 +148,16 @@ class ReadinessMirror:
         status = pod_status(self.informer.get(self.pod_name, self.namespace), self.pod_uid)
         if status is None:
             return None
+        if status is ReadyStatus.READY:
+            self.pod_was_ready = True
+        early = not self.pod_was_ready and self.check_ready
+        if early:
+            status = ReadyStatus.READY  # our own check said READY before the kubelet's probe asked it
         written = self.registry.last_written
         if status == self.registry.status and written is not None and written.status == status:
             return status
-        log.info("pod readiness changed pod=%s/%s status=%s", self.namespace, self.pod_name, status)
+        source = "our own check, before the pod's first Ready" if early else "the pod's Ready condition"
+        log.info("readiness changed pod=%s/%s status=%s (%s)", self.namespace, self.pod_name, status, source)
         await self.registry.set_status(status)
         self.writes += 1
         return status

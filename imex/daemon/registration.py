@@ -33,8 +33,8 @@ Our entry is found by node name (the list-map key). Design note: docs/design/000
 
 Concurrency: one ``Registry`` per daemon, called from the run loop, the peer loop and the readiness loop of
 one event loop; an ``asyncio.Lock`` serialises its writes, so the daemon never races itself (only other
-daemons, which the locks and resourceVersions handle). Retries after a conflict are bounded; when they run
-out the caller's loop retries later.
+daemons, which the locks and resourceVersions handle). Retries after a conflict are a tenacity loop of at most
+``max_attempts`` (``Registry._retrying``); when they run out the caller's loop retries later.
 """
 
 from __future__ import annotations
@@ -47,11 +47,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
+
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.api.types import INDEX_LOCK_PREFIX, ReadyStatus, clique_name, index_lock, index_locks
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient, Raw, Resource
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.errors import Conflict, Invalid, NotFound
+from computedomain.retry import Backoff, retrying
 
 __all__ = [
     "LOCK_PREFIX",
@@ -82,6 +85,15 @@ _MAX_MANAGER: Final = 128
 
 class RegistrationError(Exception):
     """Our entry could not be written; the message says why and what to do."""
+
+
+class _Again(Exception):  # noqa: N818 (not an error: the retry loop's signal)
+    """A write refused by a conflict: plan again on the newer object, after a pause when ``pause``."""
+
+    def __init__(self, cause: Exception, *, pause: bool) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.pause = pause
 
 
 class IndexExhausted(RegistrationError):  # noqa: N818 (reads better at the raise site)
@@ -418,7 +430,7 @@ class Registry:
         self.max_nodes = max_nodes
         self._owner = owner
         self._clock: Clock = clock or MonotonicClock()
-        self._rng = rng or random.Random()
+        self._pause = Backoff(0.01, 0.5, spread=0.5, rng=rng)
         self._max_attempts = max_attempts
         self._lock = asyncio.Lock()
         self.field_manager = field_manager(me.node_name)
@@ -472,31 +484,33 @@ class Registry:
     async def unregister(self) -> bool:
         """Remove our entry (and our lock) if it still carries our IP. True when something was removed."""
         b = self.backend
+
+        async def once() -> bool:
+            try:
+                obj = await self._client.get(b.resource, b.name, namespace=b.namespace)
+            except NotFound:
+                return False
+            b.check(obj)
+            ops = self._removal(obj)
+            if ops is None:
+                return False
+            try:
+                await self._client.json_patch(b.resource, b.name, ops, namespace=b.namespace, subresource=b.subresource)
+            except (Invalid, Conflict) as exc:
+                # A test failed: the list moved under us (another entry removed before ours). Again.
+                raise _Again(exc, pause=True) from exc
+            except NotFound:
+                return False
+            self.last_written = None
+            self._view = None
+            log.info("unregistered node=%s object=%s", self.me.node_name, b.name)
+            return True
+
         async with self._lock:
-            for attempt in range(1, self._max_attempts + 1):
-                try:
-                    obj = await self._client.get(b.resource, b.name, namespace=b.namespace)
-                except NotFound:
-                    return False
-                b.check(obj)
-                ops = self._removal(obj)
-                if ops is None:
-                    return False
-                try:
-                    await self._client.json_patch(
-                        b.resource, b.name, ops, namespace=b.namespace, subresource=b.subresource
-                    )
-                except (Invalid, Conflict):
-                    # A test failed: the list moved under us (another entry removed before ours). Again.
-                    await self._pause(attempt)
-                    continue
-                except NotFound:
-                    return False
-                self.last_written = None
-                self._view = None
-                log.info("unregistered node=%s object=%s", self.me.node_name, b.name)
-                return True
-        raise RegistrationError(f"could not remove our entry from {b.name}: the list kept changing")
+            try:
+                return await self._retrying()(once)
+            except _Again as exc:
+                raise RegistrationError(f"could not remove our entry from {b.name}: the list kept changing") from exc
 
     # ---- internals ------------------------------------------------------------------------------------
 
@@ -533,10 +547,22 @@ class Registry:
         except NotFound:
             return None
 
-    async def _pause(self, attempt: int) -> None:
-        # Jittered, growing pause between retries of guarded writes: they conflict with any write.
-        delay = min(0.5, 0.005 * 2 ** min(attempt, 8)) * (0.5 + self._rng.random())
-        await self._clock.sleep(delay)
+    def _retrying(self) -> AsyncRetrying:
+        """Writes refused by a conflict, again at most ``max_attempts`` times: at once after losing a slot to
+        another daemon (plan again on the newer object), else after a jittered pause that grows from 10 ms to
+        0.5 s (a guarded write conflicts with any other write to the object)."""
+
+        def wait(retry_state: RetryCallState) -> float:
+            exc = retry_state.outcome.exception() if retry_state.outcome is not None else None
+            pause = isinstance(exc, _Again) and exc.pause
+            return self._pause.delay(retry_state.attempt_number) if pause else 0.0
+
+        return retrying(
+            self._clock,
+            wait=wait,
+            stop=stop_after_attempt(self._max_attempts),
+            retry=retry_if_exception_type(_Again),
+        )
 
     async def _apply_entry(self) -> DaemonEntry:
         b = self.backend
@@ -546,8 +572,9 @@ class Registry:
             # make us "allocate" again and move away from the index we hold.
             view = await self._read()
         force = False
-        last_error: Exception | None = None
-        for attempt in range(1, self._max_attempts + 1):
+
+        async def once() -> DaemonEntry:
+            nonlocal view, force
             if view is not None:
                 b.check(view)
             elif not b.has_locks:
@@ -568,27 +595,29 @@ class Registry:
                     force=guarded,
                 )
             except Conflict as exc:
-                last_error = exc
                 view = await self._read()
                 holder = locks_of(view).get(claim.entry.index)
                 if not guarded and holder not in (None, self.me.node_name):
                     # Another daemon got this slot first: plan again on the newer object, at once.
                     self.lock_conflicts += 1
-                    continue
+                    raise _Again(exc, pause=False) from exc
                 # A stale resourceVersion, or fields another writer owns: a guarded, forced write next.
-                if guarded:
-                    await self._pause(attempt)
                 force = True
-                continue
+                raise _Again(exc, pause=guarded) from exc
             except NotFound as exc:
                 # Legacy backend: the ComputeDomain is gone.
                 raise RegistrationError(f"{b.resource.kind} {b.namespace}/{b.name} does not exist") from exc
             self._view = written
             self._note(claim.entry, created=view is None)
             return claim.entry
-        raise RegistrationError(
-            f"could not write our entry to {b.resource.kind} {b.name} after {self._max_attempts} attempts: {last_error}"
-        )
+
+        try:
+            return await self._retrying()(once)
+        except _Again as exc:
+            raise RegistrationError(
+                f"could not write our entry to {b.resource.kind} {b.name} after {self._max_attempts} attempts: "
+                f"{exc.cause}"
+            ) from exc.cause
 
     def _note(self, entry: DaemonEntry, *, created: bool) -> None:
         previous = self.last_written

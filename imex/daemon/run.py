@@ -32,12 +32,15 @@ are tasks of one ``TaskGroup``. Signal handlers only set an event.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from tenacity import retry_if_exception
 
 from computedomain.api.constants import CLIQUE_LABEL
 from computedomain.atomic import write_atomically
@@ -48,7 +51,9 @@ from computedomain.kube.converge import Retries
 from computedomain.kube.errors import KubeError
 from computedomain.kube.informer import Informer
 from computedomain.kube.version import UnsupportedServerError, require_supported
+from computedomain.retry import Backoff, log_retry, retrying
 from imex.config import ImexConfigError, render_imexd_cfg, render_nodes_cfg_dns
+from imex.daemon.check import check
 from imex.daemon.peers import PeerFiles, PeerSync
 from imex.daemon.probe import serve_check
 from imex.daemon.process import ImexProcess
@@ -98,7 +103,11 @@ def write_imex_config(settings: DaemonSettings) -> None:
     settings.imexd_cfg_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(
         settings.imexd_cfg_path,
-        render_imexd_cfg(cmd_bind_ip=settings.pod_ip, nodes_config_file=str(settings.nodes_cfg_path)),
+        render_imexd_cfg(
+            cmd_bind_ip=settings.pod_ip,
+            nodes_config_file=str(settings.nodes_cfg_path),
+            overrides=settings.imex_config_overrides,
+        ),
         mode=0o644,
         if_changed=True,
     )
@@ -148,6 +157,7 @@ def build(settings: DaemonSettings, client: KubeClient) -> Daemon:
         pod_name=settings.pod_name,
         pod_uid=settings.pod_uid,
         retries=retries,
+        own_check=functools.partial(check, settings),
     )
     return Daemon(settings, client, registry, process, peers, readiness)
 
@@ -297,23 +307,26 @@ async def persist(
     clock: Clock | None = None,
 ) -> T | None:
     """``step()`` until it succeeds (its result) or ``stop`` is set (None); a transient ``KubeError`` is
-    retried after a pause that doubles from ``backoff_initial`` (at least 0.5 s) up to ``backoff_max``, told
-    at INFO and from the ``warn_after``-th attempt at WARNING. A permanent error is raised."""
+    retried (a tenacity loop) after a pause that doubles from ``backoff_initial`` (at least 0.5 s) up to
+    ``backoff_max``, logged at DEBUG and from the ``warn_after``-th attempt at WARNING. A permanent error is
+    raised."""
     clock = clock or MonotonicClock()
-    attempt = 0
-    while True:
-        try:
-            return await _until(stop, step())
-        except KubeError as exc:
-            if exc.permanent:
-                raise
-            attempt += 1
-            delay = min(retries.backoff_max, max(retries.backoff_initial, 0.5) * 2 ** min(attempt - 1, 16))
-            level = logging.WARNING if attempt >= retries.warn_after else logging.INFO
-            log.log(level, "%s failed (attempt %d), retrying in %.1fs: %s", what, attempt, delay, exc)
-        await _until(stop, clock.sleep(delay))
-        if stop.is_set():
-            return None
+
+    async def once() -> T | None:
+        return None if stop.is_set() else await _until(stop, step())
+
+    async def sleep(seconds: float) -> None:
+        await _until(stop, clock.sleep(seconds))
+
+    loop = retrying(
+        clock,
+        wait=Backoff(max(retries.backoff_initial, 0.5), retries.backoff_max, spread=0),
+        retry=retry_if_exception(lambda exc: isinstance(exc, KubeError) and not exc.permanent),
+        before_sleep=log_retry(log, what, warn_after=retries.warn_after),
+        sleep=sleep,
+    )
+    result: T | None = await loop(once)
+    return result
 
 
 def _signal_event() -> asyncio.Event:

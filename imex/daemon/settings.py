@@ -29,6 +29,7 @@ from computedomain.settings import (
     SettingsError,
     check_max_nodes,
     check_node_name,
+    parse_imex_config_overrides,
     setting,
 )
 from imex.config import hostname_prefix
@@ -74,6 +75,11 @@ class DaemonSettings(CommonSettings):
     restart_backoff_max: float = setting(
         "IMEX_RESTART_BACKOFF_MAX", "longest delay between restarts of a crash-looping nvidia-imex", default=30.0
     )
+    imex_config_overrides_text: str = setting(
+        "IMEX_CONFIG_OVERRIDES",
+        "nvidia-imex settings over the defaults of imexd.cfg, KEY=VALUE,KEY=VALUE (the controller's)",
+        default="",
+    )
     check_timeout: float = setting("CHECK_TIMEOUT", "deadline of nvidia-imex-ctl in `check`", default=8.0)
     check_port: int = setting(
         "CHECK_PORT",
@@ -89,6 +95,7 @@ class DaemonSettings(CommonSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_max_nodes(self.max_nodes)
+        parse_imex_config_overrides(self.imex_config_overrides_text)
         for env, value in (
             ("IMEX_SIGUSR1_INTERVAL", self.sigusr1_interval),
             ("IMEX_STOP_TIMEOUT", self.imex_stop_timeout),
@@ -129,6 +136,10 @@ class DaemonSettings(CommonSettings):
     def hostname_prefix(self) -> str:
         """The slot-name prefix: the controller's IMEX_HOSTNAME_PREFIX when given, else derived the same way."""
         return self.hostname_prefix_text or hostname_prefix(self.cd_uid)
+
+    @property
+    def imex_config_overrides(self) -> dict[str, str]:
+        return parse_imex_config_overrides(self.imex_config_overrides_text)
 
     @property
     def imexd_cfg_path(self) -> Path:

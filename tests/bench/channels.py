@@ -3,7 +3,8 @@
     make bench-channels   (python -m tests.bench channels; BENCH_CHANNEL_DOMAINS=200, BENCH_ROUNDS=3,
                            BENCH_PLUGIN_SAMPLES=200 Prepares per scenario and round)
 
-1. **Assignment**: the controller as a process (shipped client limits) with channel isolation, N domains (200)
+1. **Assignment**: the controller as a process (shipped client limits) with channel isolation, 18 Node objects
+   of one clique (the controller gives a channel only to a record naming a node of its clique), N domains (200)
    existing and Ready; then N channel records created at once, as the node agents create them for the first
    pod of each domain in a clique (finalizer, one prepared claim). Measured per record: its create request ->
    the watch event that shows its channel; and the whole burst: first create -> last channel seen. Checked:
@@ -31,10 +32,10 @@ from typing import Any
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, COMPUTE_DOMAIN_LABEL, GROUP_VERSION
 from computedomain.controller.channels import LOCK_PREFIX
-from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, LEASES, KubeClient, Raw
+from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, LEASES, NODES, KubeClient, Raw
 from computedomain.kube.informer import Informer
 from computedomain.plugin.channels import ChannelRecords
-from tests.bench.controller import ControllerProcess, delete_all, limits, per_limits
+from tests.bench.controller import ControllerProcess, bench_node, delete_all, delete_bench_nodes, limits, per_limits
 from tests.bench.figures import Figure
 from tests.bench.harness import Bench, cd_body, gather_limited, poll, wait_for
 from tests.bench.plugin import Sample, channel_rounds, served
@@ -66,9 +67,12 @@ def record_body(namespace: str, domain_uid: str, node: str, clique: str = CLIQUE
 
 
 async def assignment_round(
-    client: KubeClient, ctl: ControllerProcess, driver_ns: str, cd_ns: str, count: int, index: int
+    client: KubeClient, ctl: ControllerProcess, namespaces: tuple[str, str], nodes: list[str], index: int, count: int
 ) -> tuple[list[float], int, float, float]:
-    """(per-record latencies, failures, whole burst in s, controller requests per channel)."""
+    """(per-record latencies, failures, whole burst in s, controller requests per channel). The records list
+    claims of `nodes`, Node objects labelled with the clique: the controller gives a channel only to a record
+    that names a node of its clique."""
+    driver_ns, cd_ns = namespaces
     uids = [
         raw["metadata"]["uid"]
         for raw in await gather_limited(
@@ -99,7 +103,7 @@ async def assignment_round(
         started: dict[str, float] = {}
 
         async def one(i: int, uid: str) -> None:
-            body = record_body(driver_ns, uid, f"node-{i % 18}")
+            body = record_body(driver_ns, uid, nodes[i % len(nodes)])
             started[body["metadata"]["name"]] = time.monotonic()
             await client.create(COMPUTE_DOMAIN_CLIQUES, body, namespace=driver_ns)
 
@@ -116,7 +120,14 @@ async def assignment_round(
         watching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watching
-        await delete_all(client, cd_ns)  # the controller deletes the records; no claim holds them
+        await delete_all(client, cd_ns)  # the controller deletes the records once no claim holds them
+        # Each node agent's Unprepare takes its claim off the record (the records' nodes exist: their claims
+        # hold the channels until then).
+        records = (await client.list_all(COMPUTE_DOMAIN_CLIQUES, namespace=driver_ns)).items
+        await gather_limited([
+            client.merge_patch(COMPUTE_DOMAIN_CLIQUES, r["metadata"]["name"], {"preparedClaims": []}, namespace=driver_ns)
+            for r in records
+        ])  # fmt: skip
 
         async def released() -> bool:
             records = (await client.list_all(COMPUTE_DOMAIN_CLIQUES, namespace=driver_ns)).items
@@ -198,30 +209,37 @@ async def run(bench: Bench) -> None:
                                 simulated="as above; the records on the local apiserver"))  # fmt: skip
     extra = section.figure(Figure("prepare-extra", "extra time per Prepare with channel isolation (API)"))
     client = await bench.client()
-    for index in range(rounds):
-        for lim in all_limits:
-            with bench.step(f"round {index + 1}: starting the controller with channel isolation [{lim.label}]"):
-                driver_ns = await bench.namespace("chdrv")
-                cd_ns = await bench.namespace("chcd")
-                kubeconfig = await bench.controller_kubeconfig()
-                ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, kubeconfig, extra=ISOLATION_ENV)
-            try:
-                await ctl.ready()
-                with bench.step(f"round {index + 1}: {count} channel records at once [{lim.label}]"):
-                    latencies, failed, whole, per_channel = await assignment_round(
-                        client, ctl, driver_ns, cd_ns, count, index
-                    )
-                    per_record[lim.name].round(latencies, failed)
-                    finished = whole == whole  # NaN: not all assigned
-                    burst[lim.name].round([whole] if finished else [], 0 if finished else 1)
-                    requests[lim.name].round([per_channel])
-            finally:
-                ctl.stop()
-        with bench.step(f"round {index + 1}: Prepare with and without channel isolation"):
-            ns = await bench.namespace("chprep")
-            a, b, c = await prepare_scenarios(client, ns, samples)
-            shared.round(*a)
-            memory.round(*b)
-            api.round(*c)
-            if a[0] and c[0]:
-                extra.round([statistics.median(c[0]) - statistics.median(a[0])])
+    nodes = [f"bench-ch-{bench.tag}-{i:02d}" for i in range(18)]
+    with bench.step(f"creating {len(nodes)} Node objects of clique {CLIQUE}"):
+        await gather_limited([client.create(NODES, bench_node(n, CLIQUE)) for n in nodes])
+    try:
+        for index in range(rounds):
+            for lim in all_limits:
+                with bench.step(f"round {index + 1}: starting the controller with channel isolation [{lim.label}]"):
+                    driver_ns = await bench.namespace("chdrv")
+                    cd_ns = await bench.namespace("chcd")
+                    kubeconfig = await bench.controller_kubeconfig()
+                    ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, kubeconfig, extra=ISOLATION_ENV)
+                try:
+                    await ctl.ready()
+                    with bench.step(f"round {index + 1}: {count} channel records at once [{lim.label}]"):
+                        latencies, failed, whole, per_channel = await assignment_round(
+                            client, ctl, (driver_ns, cd_ns), nodes, index, count
+                        )
+                        per_record[lim.name].round(latencies, failed)
+                        finished = whole == whole  # NaN: not all assigned
+                        burst[lim.name].round([whole] if finished else [], 0 if finished else 1)
+                        requests[lim.name].round([per_channel])
+                finally:
+                    ctl.stop()
+            with bench.step(f"round {index + 1}: Prepare with and without channel isolation"):
+                ns = await bench.namespace("chprep")
+                a, b, c = await prepare_scenarios(client, ns, samples)
+                shared.round(*a)
+                memory.round(*b)
+                api.round(*c)
+                if a[0] and c[0]:
+                    extra.round([statistics.median(c[0]) - statistics.median(a[0])])
+    finally:
+        with bench.step(f"deleting {len(nodes)} Node objects"):
+            await delete_bench_nodes(client)

@@ -70,7 +70,7 @@ from computedomain.kube.errors import NotFound
 from computedomain.kube.informer import Informer
 from computedomain.settings import ControllerSettings, load_settings
 from tests.bench.figures import Figure, Section, Target, percentile
-from tests.bench.harness import Bench, cd_body, gather_limited, poll, release_finalizers, wait_for
+from tests.bench.harness import Bench, Watching, cd_body, gather_limited, poll, release_finalizers, wait_for
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION, REPO, free_port
 from tests.testbed.nodes import gb200_node
 
@@ -237,20 +237,19 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-class Children:
+class Children(Watching):
     """Watches DaemonSets and ResourceClaimTemplates of every namespace: when all three children of a
     domain (by its UID label) were first observed."""
 
     def __init__(self, client: KubeClient) -> None:
         self.kinds: dict[str, set[str]] = {}
         self.done: dict[str, float] = {}
-        self.informers = [
+        super().__init__([
             Informer(client, DAEMONSETS, label_selector=COMPUTE_DOMAIN_LABEL, decode=decode_daemonset),
             Informer(client, RESOURCE_CLAIM_TEMPLATES, label_selector=COMPUTE_DOMAIN_LABEL, decode=decode_template),
-        ]
+        ])  # fmt: skip
         for informer in self.informers:
             informer.add_handler(on_add=self._seen)
-        self.tasks: list[asyncio.Task[None]] = []
 
     def _seen(self, child: Child) -> None:
         now = time.monotonic()
@@ -258,17 +257,6 @@ class Children:
         kinds.add(child.kind.value)
         if len(kinds) == 3:
             self.done.setdefault(child.cd_uid, now)
-
-    async def __aenter__(self) -> Children:
-        self.tasks = [asyncio.create_task(i.run()) for i in self.informers]
-        for informer in self.informers:
-            await informer.has_synced()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 def _unfinalized(body: dict[str, Any]) -> dict[str, Any]:
@@ -629,8 +617,7 @@ async def run(bench: Bench) -> None:
                            (driver_ns, cd_ns, floor_ns, floor_drv))  # fmt: skip
     finally:
         with bench.step(f"deleting {sizes.nodes} Node objects"):
-            listed = await client.list_all(NODES, label_selector="computedomain-bench")
-            await gather_limited([_delete_node(client, n["metadata"]["name"]) for n in listed.items])
+            await delete_bench_nodes(client)
 
 
 async def one_pass(
@@ -761,6 +748,12 @@ async def scale(bench: Bench, client: KubeClient, ctl: ControllerProcess, lim: L
         f"Events not written, all rounds: {', '.join(f'{k}={v}' for k, v in sorted(dropped.items()))}"
         if dropped else "every Event recorded was written"
     )  # fmt: skip
+
+
+async def delete_bench_nodes(client: KubeClient) -> None:
+    """Delete every Node object `bench_node` made."""
+    listed = await client.list_all(NODES, label_selector="computedomain-bench")
+    await gather_limited([_delete_node(client, n["metadata"]["name"]) for n in listed.items])
 
 
 async def _delete_node(client: KubeClient, name: str) -> None:

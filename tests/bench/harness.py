@@ -17,9 +17,9 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from computedomain.kube.client import (
     COMPUTE_DOMAIN_CLIQUES,
@@ -30,6 +30,7 @@ from computedomain.kube.client import (
     KubeClient,
 )
 from computedomain.kube.errors import KubeError, NotFound
+from computedomain.kube.informer import Informer
 from tests.bench.figures import Section
 from tests.testbed.cluster import LocalCluster
 
@@ -153,6 +154,25 @@ async def release_finalizers(client: KubeClient, namespace: str) -> None:
                     await client.merge_patch(
                         resource, meta["name"], {"metadata": {"finalizers": None}}, namespace=namespace
                     )
+
+
+class Watching:
+    """Informers that run for the length of an ``async with`` block; entering waits until each has synced."""
+
+    def __init__(self, informers: Sequence[Informer[Any]]) -> None:
+        self.informers = list(informers)
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Self:
+        self.tasks = [asyncio.create_task(i.run()) for i in self.informers]
+        for informer in self.informers:
+            await informer.has_synced()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def wait_for(check: Callable[[], bool], within: float, what: str, *, interval: float = 0.01) -> None:

@@ -39,12 +39,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.testbed import leftovers
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO / ".cluster"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_STAGES = Path(__file__).with_name("kwok-stages.yaml")
 BASE_MANIFESTS = REPO / "manifests"
 START_TIMEOUT = 180.0
+# The field manager of what the test bed applies (server-side).
+FIELD_MANAGER = "computedomain-testbed"
 # Bumped when the components' flags change, so a running cluster started with older flags is replaced.
 CONFIG_GENERATION = 2
 EGRESS_SELECTOR = """apiVersion: apiserver.k8s.io/v1beta1
@@ -63,9 +67,11 @@ def log(message: str) -> None:
     print(f"[cluster {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def build_binaries() -> Path:
-    """Build what is missing (idempotent, cached by version) and return the bin directory."""
-    out = subprocess.run([str(REPO / "testbin" / "build.sh")], check=True, stdout=subprocess.PIPE, text=True).stdout
+def build_binaries(target: str = "all") -> Path:
+    """Build what `target` of testbin/build.sh lacks (`control-plane` or `all`; idempotent, cached by version)
+    and return the bin directory."""
+    argv = [str(REPO / "testbin" / "build.sh"), target]
+    out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout
     return Path(out.strip().splitlines()[-1])
 
 
@@ -218,10 +224,15 @@ class LocalCluster:
 
     def _up(self) -> bool:
         start = time.monotonic()
-        bin_dir = build_binaries()
+        bin_dir = build_binaries("control-plane")
         if self.healthy():
             self._link_tools(bin_dir)
             log(f"reusing the running cluster ({self.server})")
+            leftovers.reclaim(self)
+            if (self.root / "realnodes" / "state.json").exists():
+                from tests.testbed.realnode.nodes import RealNodes
+
+                RealNodes(self).reclaim()
             return False
         self._down(quiet=True)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -373,6 +384,8 @@ class LocalCluster:
             from tests.testbed.realnode.nodes import RealNodes
 
             RealNodes(self).down()
+        # Simulated clusters of killed runs: their kwok processes and node trees (the objects go with etcd).
+        leftovers.reclaim(self, cluster_running=False)
         state = self.state()
         if state is None:
             if not quiet:
@@ -421,11 +434,19 @@ class LocalCluster:
         """The CRDs and DeviceClasses every test and benchmark of this service needs (idempotent).
 
         Returns the objects (`kind/name`) that were absent, so a caller can remove exactly what it added."""
-        manifests = [BASE_MANIFESTS / "crds", BASE_MANIFESTS / "deviceclasses"]
-        wanted = self.kubectl("apply", "--dry-run=client", "-o", "name", *(f"-f={m}" for m in manifests))
-        present = self.kubectl("get", "--ignore-not-found", "-o", "name", *wanted.stdout.split(), check=False)
-        absent = sorted(set(wanted.stdout.split()) - set(present.stdout.split()))
-        self.kubectl("apply", *(f"-f={m}" for m in manifests))
+        manifests = [f"-f={m}" for m in (BASE_MANIFESTS / "crds", BASE_MANIFESTS / "deviceclasses")]
+        wanted = self.kubectl("create", "--dry-run=client", "-o", "name", *manifests).stdout.split()
+        listed = json.loads(
+            self.kubectl("get", "--ignore-not-found", "--show-managed-fields", "-o", "json", *wanted).stdout or "{}"
+        )
+        present = listed.get("items", []) if "items" in listed else [listed] if listed else []
+        absent = sorted(set(wanted) - {_object_name(o) for o in present})
+        # Server-side apply, taking over the fields whoever wrote them (`helm install`'s crds/, the chart's CRD
+        # hook, a release's DeviceClasses): client-side apply refuses objects it did not write itself.
+        self.kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={FIELD_MANAGER}", *manifests)
+        taken = takeover_line(present)
+        if taken:
+            log(taken)
         crds = [f"crd/{plural}.resource.nvidia.com" for plural in ("computedomains", "computedomaincliques")]
         self.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
         return absent
@@ -442,6 +463,31 @@ class LocalCluster:
 
     def delete_namespace(self, name: str, *, wait: bool = False) -> None:
         self.kubectl("delete", "namespace", name, "--ignore-not-found", f"--wait={str(wait).lower()}", "--timeout=120s")
+
+
+def _object_name(obj: dict[str, Any]) -> str:
+    """`kind.group/name`, as `kubectl -o name` prints it."""
+    group = obj.get("apiVersion", "").rpartition("/")[0]
+    kind = obj.get("kind", "").lower()
+    return f"{kind}.{group}/{obj['metadata']['name']}" if group else f"{kind}/{obj['metadata']['name']}"
+
+
+def takeover_line(objects: Any) -> str | None:
+    """One line naming the objects `install_base` took over and who had written them (their field managers
+    and Helm release), or None when the test bed wrote them all itself."""
+    taken = []
+    for obj in objects:
+        meta = obj.get("metadata", {})
+        writers = sorted({m.get("manager", "?") for m in meta.get("managedFields") or ()} - {FIELD_MANAGER})
+        if not writers:
+            continue
+        release = (meta.get("annotations") or {}).get("meta.helm.sh/release-name")
+        if release:
+            writers.append(f"release {release} in {meta['annotations'].get('meta.helm.sh/release-namespace', '?')}")
+        taken.append(f"{obj.get('kind', '?')} {meta.get('name', '?')} ({', '.join(writers)})")
+    if not taken:
+        return None
+    return f"took over what others wrote before this run: {'; '.join(taken)}"
 
 
 class KubectlError(RuntimeError):

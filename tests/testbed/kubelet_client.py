@@ -5,8 +5,9 @@ sockets: GetInfo on the registration socket, validate type, name and versions, d
 report the outcome with NotifyRegistrationStatus, then call NodePrepareResources / NodeUnprepareResources
 with the kubelet's 45 s deadline, in DRA v1 when the plugin offers it and v1beta1 otherwise.
 
-It deliberately does its own protobuf translation (it shares only the plain result types with the plugin),
-so a translation bug in the plugin's gRPC layer shows up as a test failure rather than cancelling out.
+It deliberately does its own translation between the generated messages and the plain result types (it
+shares only those types with the plugin), so a translation bug in the plugin's gRPC layer shows up as a test
+failure rather than cancelling out. `health_check` is the kubelet's gRPC probe (`grpc.health.v1` Check).
 Retrying failed or missing claims is the caller's job, as it is the kubelet's pod-sync loop's.
 """
 
@@ -20,9 +21,14 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+from grpclib.health.v1 import health_pb2
 
 from computedomain.plugin.preparer import ClaimRef, ClaimUid, PreparedDevice, PrepareResult, UnprepareResult
 from computedomain.plugin.proto import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_v1_pb2
+
+# grpc.health.v1's messages as the product has them (grpclib's generated module): grpcio-health-checking's
+# would define the same message names in protobuf's default pool, which refuses a second definition.
+__all__ = ["V1", "V1BETA1", "KubeletClient", "PluginInfo", "RegistrationRejectedError", "health_check", "health_pb2"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,17 @@ def unary(channel: grpc.aio.Channel, path: str, request_type: Any, reply_type: A
     return channel.unary_unary(
         path, request_serializer=request_type.SerializeToString, response_deserializer=reply_type.FromString
     )
+
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+async def health_check(channel: grpc.aio.Channel, service: str, deadline_s: float) -> int:
+    """The status a `grpc.health.v1` Check of `service` answers (an AioRpcError when the call fails)."""
+    reply = await unary(channel, HEALTH_CHECK, health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)(
+        health_pb2.HealthCheckRequest(service=service), timeout=deadline_s
+    )
+    return int(reply.status)
 
 
 class _DraStub:

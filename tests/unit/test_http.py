@@ -18,6 +18,7 @@ import pytest
 from computedomain.http import REFUSED, EndpointError, Exposition, Limits, bound_port, parse_endpoint, start_http
 from computedomain.kube.clock import FakeClock
 from computedomain.metrics import CollectorRegistry, Counter, GaugeMetricFamily
+from tests.unit.trickle import trickle
 
 
 @pytest.mark.parametrize(
@@ -107,20 +108,7 @@ async def test_headers_trickled_a_byte_at_a_time_lose_the_connection() -> None:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", bound_port(runner))
         head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 200 + b"\r\n\r\n"
-        sent = 0
-        closed = False
-        for byte in head:  # a byte every 20 ms: ~5 s for the whole head, ten times the deadline
-            try:
-                writer.write(bytes([byte]))
-                await writer.drain()
-            except ConnectionError:
-                closed = True
-                break
-            sent += 1
-            await asyncio.sleep(0.02)
-            if reader.at_eof():
-                closed = True
-                break
+        sent, closed = await trickle(reader, writer, head)  # ~5 s for the whole head, ten times the deadline
         closed = closed or await _closed_by_server(reader)
         writer.close()
         assert closed and sent < len(head), f"sent {sent} of {len(head)} bytes"
@@ -141,25 +129,38 @@ def _refused(limit: str) -> float:
 async def test_idle_connections_cannot_exhaust_descriptors() -> None:
     """Three hundred connections that never send a byte: the server keeps at most its cap open (the shipped
     caps), resets the others at once, and closes the ones it kept at the request deadline."""
-    limits = dataclasses.replace(Limits(), request_deadline_s=0.5)
+    limits = dataclasses.replace(Limits(), request_deadline_s=2.0)
     runner = await start_http("127.0.0.1:0", metrics_path="", limits=limits)
     port = bound_port(runner)
     clients: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     before, refused_before = _fds(), _refused("connections") + _refused("connections_per_peer")
+    loop = asyncio.get_running_loop()
+
+    def refused() -> float:
+        return _refused("connections") + _refused("connections_per_peer") - refused_before
+
     try:
+        began = loop.time()
         for i in range(300):
             # From several loopback addresses, so that both the per-peer and the total cap are reached.
             sock = socket.socket()
             sock.bind((f"127.0.0.{2 + i % 12}", 0))
             sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            await loop.sock_connect(sock, ("127.0.0.1", port))
             clients.append(await asyncio.open_connection(sock=sock))
-        await asyncio.sleep(0.2)  # let the server see them all
+        # Let the server see them all (bounded, however loaded the machine).
+        for _ in range(200):
+            if refused() >= len(clients) - limits.connections:
+                break
+            await asyncio.sleep(0.01)
+        within_one_deadline = loop.time() - began < limits.request_deadline_s
         server_side = _fds() - before - len(clients)
         assert server_side <= limits.connections, server_side
         assert runner.server.open_connections <= limits.connections
-        refused = _refused("connections") + _refused("connections_per_peer") - refused_before
-        assert refused >= len(clients) - limits.connections
+        if within_one_deadline:
+            # All of them were open at once: every one over the cap was refused. (On a machine so loaded that
+            # opening them took longer, kept ones reach their deadline and free their places meanwhile.)
+            assert refused() >= len(clients) - limits.connections
         assert all([await _closed_by_server(reader) for reader, _ in clients])
         assert runner.server.open_connections == 0
     finally:

@@ -1,10 +1,10 @@
 """Regenerates the Python protobuf modules from the .proto files in this folder.
 
-Only the messages are generated (``*_pb2.py`` and their ``.pyi`` stubs). The node agent never imports them:
-it speaks these messages with its own codec (``computedomain.plugin.wire``, messages in
-``computedomain.plugin.kubelet_api``), and protobuf is a test dependency. The generated modules are the
-tests' oracle for that codec (``tests/unit/plugin/test_wire.py``) and the test bed's kubelet stand-in's
-messages; ``tests/unit/plugin/test_proto_wire.py`` checks them against the kubelet's own protos.
+Only the messages are generated (``*_pb2.py`` and their ``.pyi`` stubs), with grpcio-tools' ``protoc`` (a dev
+dependency): the node agent's gRPC server (``computedomain.plugin.grpc_server``, on grpclib) serves them and
+reads its method tables from their descriptors, and the test bed's kubelet stand-in calls it with them.
+``tests/unit/plugin/test_proto_wire.py`` checks them against the kubelet's own protos. ``grpc.health.v1`` is not
+generated here: grpclib ships that module (``grpclib.health.v1.health_pb2``).
 
 Run from anywhere: ``.venv/bin/python computedomain/plugin/proto/generate.py``. The output is
 checked in; ``tests/unit/plugin/test_proto_wire.py`` fails when it is stale. Paths are given to

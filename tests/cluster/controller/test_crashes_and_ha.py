@@ -97,7 +97,7 @@ async def test_sigkill_during_create_and_delete(harness: Harness, make_node: Mak
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 async def test_sigkill_many_iterations(harness: Harness, make_node: MakeNode, seed: int) -> None:
-    await _crash_iterations(harness, make_node, iterations=60, seed=seed)
+    await _crash_iterations(harness, make_node, iterations=30, seed=seed)
 
 
 # --- leader election -----------------------------------------------------------------------------------

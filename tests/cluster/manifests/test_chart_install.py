@@ -89,6 +89,15 @@ def test_install_creates_what_the_mode_needs(cluster: Cluster, release: Release,
         lambda: cluster.get("daemonset", "cd-compute-domain-kubelet-plugin", ns)["status"].get("numberReady") == 1,
         "node agent",
     )
+    # The ingress NetworkPolicies are taken by the apiserver and select exactly their component's running pods
+    # (the test bed has no network plugin: nothing enforces them here).
+    for component in ("controller", "kubelet-plugin"):
+        policy = cluster.get("networkpolicy", f"cd-compute-domain-{component}-ingress", ns)
+        selector = ",".join(f"{k}={v}" for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
+        selected = json.loads(cluster.kubectl("get", "pods", "-n", ns, "-l", selector, "-o", "json"))["items"]
+        components = {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in selected}
+        assert components == {component}, components
+        assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": "metrics"}]
     kinds = {line.split("/")[0] for line in release.cluster_objects()}
     assert kinds == {
         "clusterrole.rbac.authorization.k8s.io",
@@ -120,11 +129,21 @@ def _claim(domain_id: Any, **extra: Any) -> dict[str, Any]:
     }
 
 
+CLAIM_CONTROLLER = "--as=system:serviceaccount:kube-system:resource-claim-controller"
+
+
 def test_admission_rejects_bad_opaque_configs_at_create(cluster: Cluster, release: Release) -> None:
+    """As the creators the channel-claims policy lets through (the resourceclaim controller, the chart's
+    controller for templates), so that what refuses is the opaque-config policy."""
     release.install()
     good = str(uuid.uuid4())
+    ns = release.namespace
+
+    def create(obj: dict[str, Any], user: str = CLAIM_CONTROLLER) -> tuple[int, str]:
+        return cluster.try_kubectl("create", "-f", "-", "-o", "json", "-n", ns, user, input=json.dumps(obj))
+
     # The policy is active once the apiserver has loaded it; a bad claim may pass for a moment before.
-    wait_for(lambda: cluster.create(_claim(good, bogus=1), release.namespace)[0] != 0, "policy active")
+    wait_for(lambda: create(_claim(good, bogus=1))[0] != 0, "policy active")
     for claim, field in [
         (_claim(good, allocationModes="All"), "unknown field 'allocationModes'"),
         (_claim("not-a-uuid"), "spec.devices.config[0].opaque.parameters.domainID"),
@@ -133,7 +152,7 @@ def test_admission_rejects_bad_opaque_configs_at_create(cluster: Cluster, releas
         (_claim(good, apiVersion="resource.nvidia.com/v1"), "opaque.parameters.apiVersion"),
         (_claim(good, kind="ComputeDomainConfig"), "opaque.parameters.kind: unknown kind 'ComputeDomainConfig'"),
     ]:
-        code, out = cluster.create(claim, release.namespace)
+        code, out = create(claim)
         assert code != 0 and field in out, out
     template = {
         "apiVersion": "resource.k8s.io/v1",
@@ -141,9 +160,9 @@ def test_admission_rejects_bad_opaque_configs_at_create(cluster: Cluster, releas
         "metadata": {"name": "bad"},
         "spec": {"spec": _claim("nope")["spec"]},
     }
-    code, out = cluster.create(template, release.namespace)
+    code, out = create(template, f"--as=system:serviceaccount:{ns}:{release.name}-compute-domain-controller")
     assert code != 0 and "spec.spec.devices.config[0].opaque.parameters.domainID" in out
-    code, out = cluster.create(_claim(good, allocationMode="All"), release.namespace)
+    code, out = create(_claim(good, allocationMode="All"))
     assert code == 0, out
 
 

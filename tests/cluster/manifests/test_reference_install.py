@@ -121,7 +121,8 @@ def test_reference_values_file_installs(
 
     # The objects the apiserver accepted: NetworkPolicies, the daemons' identity in the old namespace.
     policies = cluster.kubectl("get", "networkpolicies", "-n", ns, "-o", "jsonpath={.items[*].metadata.name}")
-    assert set(policies.split()) == {"cd-compute-domain-controller", "cd-compute-domain-kubelet-plugin"}
+    expected = {"cd-compute-domain-controller", "cd-compute-domain-kubelet-plugin"}
+    assert set(policies.split()) == expected | {f"{name}-ingress" for name in expected}
     old = cluster.kubectl("get", "sa,roles,rolebindings", "-n", namespaces["old"], "-o", "name").split()
     assert "serviceaccount/compute-domain-daemon-service-account" in old
     assert "role.rbac.authorization.k8s.io/cd-compute-domain-controller" in old

@@ -177,7 +177,6 @@ def test_tenant_cannot_claim_a_daemon_device(installed: Installed) -> None:
     victim = _create_cd(c, s.workload_ns, "victim")
     tenant = _tenant_kubeconfig(s)
     daemon_request = {"name": "daemon", "exactly": {"deviceClassName": DAEMON_DEVICE_CLASS}}
-    channel_request = {"name": "channel", "exactly": {"deviceClassName": CHANNEL_CLASS}}
     subrequests = {
         "name": "any",
         "firstAvailable": [
@@ -188,16 +187,9 @@ def test_tenant_cannot_claim_a_daemon_device(installed: Installed) -> None:
     daemon_config = _params("ComputeDomainDaemonConfig", victim)
     reserved = f"reserved for the ComputeDomain daemon pods in namespace {s.ns}, {s.extra_ns}"
 
-    # The tenant's identity works, and the ordinary path stays open: a channel claim for its own workloads.
-    code, out = _kubectl(
-        tenant,
-        "create",
-        "-f",
-        "-",
-        "-o",
-        "name",
-        body=_claim("ResourceClaim", channel_request, _params("ComputeDomainChannelConfig", victim)),
-    )
+    other_request = {"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}
+    # The tenant's identity works: a claim of another driver's class passes.
+    code, out = _kubectl(tenant, "create", "-f", "-", "-o", "name", body=_claim("ResourceClaim", other_request, None))
     assert code == 0, out
     attacks = [
         ("ResourceClaim", daemon_request, daemon_config, "spec.devices.requests[0]"),
@@ -205,7 +197,7 @@ def test_tenant_cannot_claim_a_daemon_device(installed: Installed) -> None:
         ("ResourceClaimTemplate", daemon_request, daemon_config, "spec.spec.devices.requests[0]"),
         ("ResourceClaim", subrequests, None, "spec.devices.requests[0]"),
         # Another class (or a CEL selector) cannot avoid the config the node agent needs to prepare it.
-        ("ResourceClaim", channel_request, daemon_config, "spec.devices.config[0].opaque.parameters.kind"),
+        ("ResourceClaim", other_request, daemon_config, "spec.devices.config[0].opaque.parameters.kind"),
     ]
     wait_for(lambda: _kubectl(tenant, "create", "-f", "-", body=_claim(*attacks[0][:3]))[0] != 0, "policy active")
     for kind, request, params, field in attacks:
@@ -242,6 +234,62 @@ def test_tenant_cannot_claim_a_daemon_device(installed: Installed) -> None:
         DAEMON_DEVICE_CLASS
     )
     c.kubectl("delete", "pod", pod["metadata"]["name"], "-n", s.ns, "--wait=false")
+
+
+def test_tenant_cannot_hold_a_channel_device_without_a_domain(installed: Installed) -> None:
+    """A bare claim of a channel class would keep a node's channel device allocated (no domain's pod fits
+    there) for as long as its pod exists: refused at create for everyone but the resourceclaim controller,
+    which makes claims only from a pod's template, and channel templates come only from the controller."""
+    s, c = installed, installed.cluster
+    domain = _create_cd(c, s.workload_ns, "channel-owner")
+    tenant = _tenant_kubeconfig(s)
+    config = _params("ComputeDomainChannelConfig", domain)
+    rule = "IMEX channel devices are only for the pods of a ComputeDomain"
+    channel = {"name": "channel", "exactly": {"deviceClassName": CHANNEL_CLASS}}
+    isolated = {"name": "channel", "exactly": {"deviceClassName": "compute-domain-channel.nvidia.com"}}
+    fallback = {"name": "any", "firstAvailable": [{"name": "c", "deviceClassName": CHANNEL_CLASS}]}
+    attacks = [
+        ("ResourceClaim", channel, config, "spec.devices.requests[0]"),
+        ("ResourceClaim", channel, None, "spec.devices.requests[0]"),
+        ("ResourceClaim", isolated, None, "spec.devices.requests[0]"),
+        ("ResourceClaim", fallback, None, "spec.devices.requests[0]"),
+        ("ResourceClaimTemplate", channel, config, "spec.spec.devices.requests[0]"),
+    ]
+    wait_for(lambda: _kubectl(tenant, "create", "-f", "-", body=_claim(*attacks[0][:3]))[0] != 0, "policy active")
+    for kind, request, params, field in attacks:
+        code, out = _kubectl(tenant, "create", "-f", "-", body=_claim(kind, request, params))
+        assert code != 0 and f"{field}: {rule}" in out and "forbidden" in out.lower(), out
+    # Not even a cluster admin, in the domain's own namespace ...
+    code, out = c.create(_claim("ResourceClaim", channel, config), s.workload_ns)
+    assert code != 0 and rule in out and "may create ResourceClaims of a channel DeviceClass, not " in out, out
+    # ... while the domain's own template (the controller made it) and the claims Kubernetes makes from it
+    # for a pod of that namespace pass.
+    template = _claim("ResourceClaimTemplate", channel, config)
+    as_controller = [f"--as={s.user('compute-domain-controller')}", "--as-group=system:serviceaccounts"]
+    code, out = c.try_kubectl("create", "-n", s.tenant_ns, "-f", "-", *as_controller, input=json.dumps(template))
+    assert code == 0, out
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"worker-{uuid.uuid4().hex[:6]}", "namespace": s.tenant_ns},
+        "spec": {
+            "nodeSelector": {"compute-domain.test/nowhere": "x"},
+            "containers": [{"name": "c", "image": "x", "resources": {"claims": [{"name": "ch"}]}}],
+            "resourceClaims": [{"name": "ch", "resourceClaimTemplateName": template["metadata"]["name"]}],
+        },
+    }
+    code, out = _kubectl(tenant, "create", "-f", "-", body=pod)
+    assert code == 0, out
+
+    def generated() -> str | None:
+        got = c.get("pod", pod["metadata"]["name"], s.tenant_ns)
+        statuses = got.get("status", {}).get("resourceClaimStatuses") or []
+        return statuses[0].get("resourceClaimName") if statuses else None
+
+    claim = wait_for(generated, "the resourceclaim controller's claim for the worker pod")
+    exactly = c.get("resourceclaim", claim, s.tenant_ns)["spec"]["devices"]["requests"][0]["exactly"]
+    assert {k: exactly[k] for k in channel["exactly"]} == channel["exactly"]  # the apiserver adds its defaults
+    c.kubectl("delete", "pod", pod["metadata"]["name"], "-n", s.tenant_ns, "--wait=false")
 
 
 def _deep_template(name: str, parameters: str) -> str:

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import pytest
 
 from computedomain.api.constants import CHANNEL_DEVICE_CLASS, DAEMON_DEVICE_CLASS, DRIVER_NAME
+from computedomain.controller.claim_templates import holder_selector
 from computedomain.kube.client import KubeClient
 from computedomain.plugin.checkpoint import CheckpointStore
 from tests.conftest import REPO, Cluster
@@ -253,7 +254,15 @@ class Harness:
                 "spec": {
                     "spec": {
                         "devices": {
-                            "requests": [{"name": "channel", "exactly": {"deviceClassName": CHANNEL_DEVICE_CLASS}}],
+                            "requests": [
+                                {
+                                    "name": "channel",
+                                    "exactly": {
+                                        "deviceClassName": CHANNEL_DEVICE_CLASS,
+                                        "selectors": [{"cel": {"expression": holder_selector(cd["metadata"]["uid"])}}],
+                                    },
+                                }
+                            ],
                             "config": [
                                 {"requests": ["channel"], "opaque": {"driver": DRIVER_NAME, "parameters": parameters}}
                             ],

@@ -47,7 +47,9 @@ async def test_channel_waits_for_the_host_daemon_and_daemon_claims_are_refused(
     try:
         node = await harness.add_node(driver_root=host_root, env=HOST_MANAGED)
         rs = harness.get("resourceslice", f"{node.name}-{DRIVER_NAME}")
-        assert rs is not None and [d["name"] for d in rs["spec"]["devices"]] == ["channel-0"]
+        # Channel 0, and the further places on it for more pods of a domain (8 by default), no daemon device.
+        assert rs is not None
+        assert [d["name"] for d in rs["spec"]["devices"]] == ["channel-0", *(f"channel-0-{i}" for i in range(1, 8))]
         cd = harness.create_cd("host", mode="All")  # hostManaged hands out channel 0 whatever the mode
         template = harness.channel_template(cd)
         harness.pod("worker", node, template)

@@ -104,10 +104,45 @@ async def test_prepare_waits_for_this_nodes_daemon_then_succeeds(harness: Harnes
         what="the agent to see the daemon NotReady and wait",
     )
     assert harness.phase("worker") == "Pending"
+    # The pod says why, long before the kubelet's call ends (40 s), and keeps waiting.
+    told = await eventually(
+        lambda: [e for e in harness.pod_events("worker") if e["reason"] == "WaitingForIMEX"] or None,
+        within=30,
+        what="a WaitingForIMEX Event on the pod",
+    )
+    assert f"on node {node.name} (driverManaged)" in told[0]["message"], told
     harness.set_clique(cd, node, "Ready")
     # Watch-driven: well inside the 40 s budget (a polling agent would answer only after it, then be retried).
     await eventually(lambda: harness.phase("worker") == "Running", within=30, what="pod Running")
     assert harness.get("pod", "worker", harness.ns)["metadata"]["annotations"][PREPARED_ANNOTATION] == "true"  # type: ignore[index]
+    assert len([e for e in harness.pod_events("worker") if e["reason"] == "WaitingForIMEX"]) == 1
+
+
+async def test_a_pod_deleted_while_its_claim_waits_is_undone_at_once(harness: Harness) -> None:
+    node = await harness.add_node()
+    cd = harness.create_cd("gone")
+    template = harness.channel_template(cd)
+    harness.set_clique(cd, node, "NotReady")
+    harness.pod("worker", node, template)
+    await eventually(
+        lambda: [e for e in harness.pod_events("worker") if e["reason"] == "WaitingForIMEX"] or None,
+        within=30,
+        what="the claim waiting (its pod told)",
+    )
+    claim = harness.claim_of("worker")
+    assert claim is not None
+    harness.kubectl("delete", "pod", "worker", "-n", harness.ns, "--wait=false", "--grace-period=0", "--force")
+    # Not at the next cleanup pass (10 min): as soon as the claim is gone.
+    await eventually(
+        lambda: "claim gone while it waited for IMEX" in node.plugin.log() or None, within=30, what="seen gone"
+    )
+
+    def undone() -> bool | None:
+        entry = node.store().read().get(claim["metadata"]["uid"])
+        return (entry is not None and entry.state.is_tombstone) or None
+
+    await eventually(undone, within=30, what="the claim's entry undone")
+    await eventually(lambda: COMPUTE_DOMAIN_LABEL not in harness.node_labels(node) or None, what="label gone")
 
 
 async def test_another_domains_label_is_retryable(harness: Harness) -> None:

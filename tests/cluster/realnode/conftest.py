@@ -8,6 +8,7 @@ files, the node agent's checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -40,6 +41,23 @@ def real_nodes(cluster: Cluster) -> Iterator[RealNodes]:
     assert RealNodes.leftovers(state) == []
     assert not [n for n in cluster.kubectl("get", "nodes", "-o", "name").split() if n.split("/")[-1] in
                 {node.name for node in state.nodes}]  # fmt: skip
+
+
+@contextlib.contextmanager
+def installed(release: RealRelease, *, host_imex: bool = False) -> Iterator[RealRelease]:
+    """``release`` installed for a module's tests, every node's host IMEX daemon started first when
+    ``host_imex``; afterwards uninstalled, and whatever host daemons the tests left running stopped."""
+    nodes = release.nodes
+    try:
+        if host_imex:
+            for node in nodes.nodes:
+                nodes.start_host_imex(node)
+        release.install()
+        yield release
+    finally:
+        release.uninstall()
+        for node in nodes.nodes:
+            nodes.stop_host_imex(node)
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 90.0, interval: float = 0.5) -> Any:
@@ -127,6 +145,13 @@ class Scenario:
 
     def delete(self, kind: str, *names: str) -> None:
         self.release.kubectl("delete", kind, *names, "-n", self.ns, "--wait=true", "--timeout=120s")
+
+    def remove_leftovers(self) -> None:
+        """What a test left in the namespace (it failed before its own deletes): its pods, then its domains,
+        so that the next test finds the nodes free of them."""
+        for kind in ("pods", "computedomains"):
+            self.release.kubectl("delete", kind, "--all", "-n", self.ns, "--wait=true", "--timeout=120s",
+                                 check=False)  # fmt: skip
 
 
 def checkpoint_claims(node: Node) -> dict[str, dict[str, Any]]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.realnode.conftest import Scenario, wait_for
+from tests.cluster.realnode.conftest import Scenario, installed, wait_for
 from tests.testbed.realnode.nodes import RealNodes
 from tests.testbed.realnode.release import RealRelease
 
@@ -35,16 +35,8 @@ class IsolatedRelease(RealRelease):
 
 @pytest.fixture(scope="module")
 def release(real_nodes: RealNodes) -> Iterator[RealRelease]:
-    release = IsolatedRelease(real_nodes, mode="hostManaged")
-    for node in real_nodes.nodes:
-        real_nodes.start_host_imex(node)
-    try:
-        release.install()
+    with installed(IsolatedRelease(real_nodes, mode="hostManaged"), host_imex=True) as release:
         yield release
-    finally:
-        release.uninstall()
-        for node in real_nodes.nodes:
-            real_nodes.stop_host_imex(node)
 
 
 def test_two_domains_on_both_nodes_each_container_lists_only_its_own_channel(

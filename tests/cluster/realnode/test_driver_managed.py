@@ -16,7 +16,14 @@ from collections.abc import Iterator
 import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
-from tests.cluster.realnode.conftest import Scenario, cdi_claim_files, checkpoint_claims, live_state, wait_for
+from tests.cluster.realnode.conftest import (
+    Scenario,
+    cdi_claim_files,
+    checkpoint_claims,
+    installed,
+    live_state,
+    wait_for,
+)
 from tests.testbed.realnode.nodes import RealNodes
 from tests.testbed.realnode.release import RealRelease
 
@@ -27,18 +34,16 @@ LIST_CHANNELS = "ls -la /dev/nvidia-caps-imex-channels; sleep 3600"
 
 @pytest.fixture(scope="module")
 def release(real_nodes: RealNodes) -> Iterator[RealRelease]:
-    release = RealRelease(real_nodes, mode="driverManaged")
-    release.install()
-    print(f"\nchart installed on the real nodes in {release.install_s:.1f}s")
-    try:
+    with installed(RealRelease(real_nodes, mode="driverManaged")) as release:
+        print(f"\nchart installed on the real nodes in {release.install_s:.1f}s")
         yield release
-    finally:
-        release.uninstall()
 
 
 @pytest.fixture
-def scenario(release: RealRelease) -> Scenario:
-    return Scenario(release)
+def scenario(release: RealRelease) -> Iterator[Scenario]:
+    scenario = Scenario(release)
+    yield scenario
+    scenario.remove_leftovers()
 
 
 def channel_lines(logs: str) -> dict[str, tuple[str, int, int]]:
@@ -71,9 +76,12 @@ def test_domain_on_both_nodes_gives_each_worker_its_nodes_channel0(
     daemons = release.items("pods", release.driver_ns, f"{COMPUTE_DOMAIN_LABEL}={uid}")
     assert sorted(p["spec"]["nodeName"] for p in daemons) == sorted(real_nodes.names)
     for daemon in daemons:
-        status = daemon["status"]["containerStatuses"][0]
-        assert status["ready"], f"daemon {daemon['metadata']['name']} not Ready"
-        assert status["containerID"].startswith("containerd://"), status
+        assert daemon["status"]["containerStatuses"][0]["containerID"].startswith("containerd://"), daemon["status"]
+    # A daemon's entry turns Ready on its own check, up to a startup-probe period before the kubelet marks
+    # its pod Ready (design note 0005): the pods follow.
+    wait_for(lambda: all(p["status"]["containerStatuses"][0]["ready"]
+                         for p in release.items("pods", release.driver_ns, f"{COMPUTE_DOMAIN_LABEL}={uid}")),
+             "the daemon pods Ready", timeout=30)  # fmt: skip
     for worker, node in zip(workers, real_nodes.nodes, strict=True):
         logs = scenario.logs(worker)
         channels = channel_lines(logs)
@@ -330,3 +338,48 @@ def test_a_pod_outside_the_domains_daemonset_never_gets_its_daemon_device(
         binding.pop("status", None)
         release.kubectl("create", "-f", "-", input=json.dumps(binding))
         scenario.delete("computedomain", cd)
+
+
+def test_four_pods_of_a_domain_share_a_node_another_domain_waits_for_the_last(
+    scenario: Scenario, real_nodes: RealNodes, release: RealRelease
+) -> None:
+    """Design note 0014 on real kubelets: 4 pods of one domain on one node each get the node's channel 0
+    (one IMEX daemon there); a pod of another domain pinned to that node is never placed on it while the first
+    domain holds it (Pending with the scheduler's reason); deleting the 4 pods one by one unprepares each, and
+    after the last the other domain's pod runs there."""
+    node = real_nodes.nodes[0]
+    cd, other = scenario.name("quad"), scenario.name("other")
+    template, other_template = scenario.compute_domain(cd, num_nodes=1), scenario.compute_domain(other, num_nodes=1)
+    pods = [scenario.name(f"quad{i}") for i in range(4)]
+    for pod in pods:
+        scenario.pod(pod, node.name, template, LIST_CHANNELS)
+    for pod in pods:
+        scenario.wait_running(pod)
+    uid = release.get("computedomain", cd, scenario.ns)["metadata"]["uid"]  # type: ignore[index]
+    for pod in pods:
+        logs = scenario.logs(pod)
+        assert channel_lines(logs) == {"channel0": ("crw-rw-rw-", node.facts.channels_major, 0)}, logs
+    daemons = release.items("pods", release.driver_ns, f"{COMPUTE_DOMAIN_LABEL}={uid}")
+    assert [p["spec"]["nodeName"] for p in daemons] == [node.name], "one IMEX daemon for the 4 pods"
+    claims = [scenario.claim_uid(pod) for pod in pods]
+    assert all(live_state(node, c) == "PrepareCompleted" for c in claims)
+
+    intruder = scenario.name("other")
+    scenario.pod(intruder, node.name, other_template, LIST_CHANNELS)
+    wait_for(lambda: "FailedScheduling" in scenario.events(intruder), "the other domain's pod FailedScheduling")
+    assert not (scenario.get_pod(intruder) or {})["spec"].get("nodeName"), scenario.events(intruder)
+
+    for i, (pod, claim) in enumerate(zip(pods, claims, strict=True)):
+        scenario.delete("pod", pod)
+        wait_for(lambda claim=claim: live_state(node, claim) is None, f"claim of {pod} unprepared")
+        if i < len(pods) - 1:
+            labels = release.get("node", node.name)["metadata"].get("labels", {})  # type: ignore[index]
+            assert labels.get(COMPUTE_DOMAIN_LABEL) == uid, f"{len(pods) - 1 - i} pods of the domain still run"
+            assert not (scenario.get_pod(intruder) or {})["spec"].get("nodeName"), "never placed on a held node"
+    scenario.wait_running(intruder)
+    other_uid = release.get("computedomain", other, scenario.ns)["metadata"]["uid"]  # type: ignore[index]
+    labels = release.get("node", node.name)["metadata"].get("labels", {})  # type: ignore[index]
+    assert labels.get(COMPUTE_DOMAIN_LABEL) == other_uid
+    scenario.delete("pod", intruder)
+    scenario.delete("computedomain", cd, other)
+    wait_for(lambda: not cdi_claim_files(node), f"no claim CDI spec left on {node.name}")

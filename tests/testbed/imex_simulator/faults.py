@@ -11,11 +11,16 @@ Tokens (comma- or whitespace-separated), from ``IMEX_SIM_FAULTS`` at start and f
 - ``startup-delay=<seconds>``: stay INITIALIZING that long at start (env only);
 - ``hold-shutdown``: after SIGTERM stay SHUTTING_DOWN until the token goes away, so a test can observe
   the state without racing the exit.
+
+``dying_imex`` replaces a node's ``nvidia-imex`` for the length of a ``with`` block by one that exits at
+every start (simulated rack and real nodes alike).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,3 +80,14 @@ def read_faults(env_spec: str, path: Path | None) -> Faults:
         except FileNotFoundError:
             pass
     return Faults.parse(env_spec)
+
+
+@contextlib.contextmanager
+def dying_imex(binary: Path) -> Iterator[None]:
+    """The node's nvidia-imex exits at every start (as on a node whose fabric manager is down)."""
+    saved = binary.read_bytes()
+    binary.write_text("#!/bin/sh\necho 'nvidia-imex: fabric manager not running' >&2\nexit 1\n")
+    try:
+        yield
+    finally:
+        binary.write_bytes(saved)

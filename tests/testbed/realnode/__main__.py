@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
         if not cluster.healthy(patience=5.0):
             print("the local cluster is not running; run `make cluster-up` first", file=sys.stderr)
             return 1
-        nodes.up()
+        nodes.up(owned=False)
         for name, value in nodes.timings.items():
             print(f"  {name:16} {value:6.1f}")
         for name, mib in nodes.memory_mib().items():

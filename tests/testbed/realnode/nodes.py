@@ -211,6 +211,12 @@ class State:
     netd: Proc | None = None
     nodes: list[Node] = field(default_factory=list)
     cgroup_dirs: list[str] = field(default_factory=list)  # created here, removed deepest first
+    # The process whose run these nodes serve (a demo, a test session); None: `python -m tests.testbed.realnode
+    # up`, whose nodes run until `down`. Nodes whose owner is gone are a killed run's (`orphaned`).
+    owner: Proc | None = None
+
+    def orphaned(self) -> bool:
+        return self.owner is not None and not self.owner.alive()
 
     def to_json(self) -> str:
         return json.dumps(
@@ -220,6 +226,7 @@ class State:
                 "netd": [self.netd.pid, self.netd.start] if self.netd else None,
                 "nodes": [n.to_json() for n in self.nodes],
                 "cgroup_dirs": self.cgroup_dirs,
+                "owner": [self.owner.pid, self.owner.start] if self.owner else None,
             },
             indent=1,
         )
@@ -233,6 +240,7 @@ class State:
             netd=Proc(*data["netd"]) if data.get("netd") else None,
             nodes=[Node.from_json(n) for n in data.get("nodes", [])],
             cgroup_dirs=list(data.get("cgroup_dirs", [])),
+            owner=Proc(*data["owner"]) if data.get("owner") else None,
         )
 
 
@@ -289,7 +297,9 @@ class RealNodes:
 
     # --- up ----------------------------------------------------------------------------------------------
 
-    def up(self) -> None:
+    def up(self, *, owned: bool = True) -> None:
+        """Start the nodes (taking down an earlier set first). `owned`: they belong to this process's run, and
+        a later command that finds this process gone takes them down (`reclaim`)."""
         if os.geteuid() != 0:
             raise RealNodeError("real nodes need root (namespaces, mounts, cgroups)")
         start = time.monotonic()
@@ -303,7 +313,7 @@ class RealNodes:
         _rmtree(self.root / "logs")
         self.root.mkdir(parents=True, exist_ok=True)
         set_id = "r" + secrets.token_hex(3)
-        self.state = State(id=set_id)
+        self.state = State(id=set_id, owner=Proc.of(os.getpid()) if owned else None)
         self._save()
         try:
             self._start_hub()
@@ -613,6 +623,17 @@ class RealNodes:
         return out
 
     # --- down --------------------------------------------------------------------------------------------
+
+    def reclaim(self) -> bool:
+        """Take down a set whose owner process is gone (a killed demo or test run); True when there was one."""
+        state = self.load()
+        if state is None or not state.orphaned():
+            return False
+        assert state.owner is not None
+        log(f"real nodes {', '.join(n.name for n in state.nodes) or '-'} of a killed run (pid {state.owner.pid}): "
+            "taking them down")  # fmt: skip
+        self._teardown(state)
+        return True
 
     def down(self) -> None:
         state = self.state or self.load()

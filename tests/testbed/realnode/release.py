@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,14 @@ INSTALL_TIMEOUT = 180.0
 
 
 class RealRelease:
-    def __init__(self, nodes: RealNodes, *, mode: str = "driverManaged", release: str = "") -> None:
+    def __init__(
+        self, nodes: RealNodes, *, mode: str = "driverManaged", release: str = "", extra_values: Sequence[str] = ()
+    ) -> None:
         assert nodes.state is not None, "start the real nodes first"
         self.nodes = nodes
         self.cluster = nodes.cluster
         self.mode = mode
+        self.extra_values = list(extra_values)  # --set values after the test bed's own
         set_id = nodes.state.id
         # Cluster-scoped objects carry the release name: one of this node set's own.
         self.release = release or f"cd-{set_id}"
@@ -92,7 +96,7 @@ class RealRelease:
             values.append("resources.computeDomains.deviceClasses=false")
         if self.mode == "hostManaged":
             values += ["featureGates.HostManagedIMEXDaemon=true", "resources.computeDomains.imex.mode=hostManaged"]
-        return values
+        return values + self.extra_values
 
     def install(self) -> None:
         start = time.monotonic()

@@ -44,6 +44,7 @@ import yaml
 from computedomain.api.constants import CHANNEL_DEVICE_CLASS, DRIVER_NAME
 from computedomain.kube.client import COMPUTE_DOMAINS, DEVICE_CLASSES, PODS, RESOURCE_SLICES, ClientConfig, KubeClient
 from computedomain.kube.errors import NotFound
+from tests.testbed import leftovers
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION, KWOK_STAGES, LocalCluster, free_port
 from tests.testbed.kubelet import KubeletStandIn
 from tests.testbed.sim.containers import REPO
@@ -176,6 +177,7 @@ class SimCluster:
         self.installed = False
         self.timings: dict[str, float] = {}
         self._log_handler: logging.Handler | None = None
+        self._record: leftovers.SimRecord | None = None
 
     @property
     def host_managed(self) -> bool:
@@ -255,9 +257,18 @@ class SimCluster:
         self.client = await KubeClient.connect(
             kubeconfig=self.local.kubeconfig, config=ClientConfig(qps=qps, burst=int(2 * qps))
         )
+        self._record = leftovers.SimRecord(
+            id=self.id, release=self.config.release, driver_ns=self.driver_ns, workload_ns=self.workload_ns,
+            nodes=[n.name for n in self.topology], root=str(self.root),
+        )  # fmt: skip
+        leftovers.register(self.local, self._record)
         for ns in (self.driver_ns, self.workload_ns):
+            await self._wait_terminated(ns)
             self.kubectl("create", "namespace", ns, check=False)
         self._start_kwok()
+        assert self._kwok is not None
+        self._record.kwok_pid, self._record.kwok_start = self._kwok.pid, leftovers.start_time(self._kwok.pid)
+        leftovers.register(self.local, self._record)
         self.apply([n.manifest(self.id, self.kwok_value) for n in self.topology])
         self.runner = PodRunner(
             self.client,
@@ -292,6 +303,14 @@ class SimCluster:
         self.timings["nodes"] = time.monotonic() - start
         if self.config.install:
             await self.install()
+
+    async def _wait_terminated(self, namespace: str, within: float = 120) -> None:
+        """A namespace of these names that an earlier run deleted may still be terminating: wait it out."""
+        phase = self.kubectl("get", "namespace", namespace, "-o", "jsonpath={.status.phase}", check=False)
+        if phase.startswith("Terminating"):
+            log.warning("namespace %s of an earlier run is still terminating; waiting for it", namespace)
+            await self.akubectl("wait", "--for=delete", f"namespace/{namespace}", f"--timeout={within:.0f}s",
+                                check=False)  # fmt: skip
 
     async def install(self, *args: str) -> None:
         """`helm install` the chart with the simulation's values (`helm_values`) and `args` after them."""
@@ -408,6 +427,8 @@ class SimCluster:
             for name in TESTBED_LOGGERS:
                 logging.getLogger(name).removeHandler(self._log_handler)
             self._log_handler.close()
+        if self._record is not None:
+            leftovers.unregister(self.local, self._record.id)
         if not self.config.keep_root:
             if mounted_below(self.root):
                 log.error("bind mounts remain below %s; not deleting it", self.root)

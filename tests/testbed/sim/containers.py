@@ -9,7 +9,8 @@ strings the process receives instead:
   are host paths already, `/etc/hosts` is the pod's own hosts file as the kubelet manages it, `/proc` is the
   node's fake `/proc`);
 - the few container paths a program uses without being told (`/imexd` and `/etc/hosts` of the IMEX
-  daemon) are handed to it through the settings that exist for exactly that (`IMEXD_DIR`, `HOSTS_FILE`);
+  daemon; the channel devices, `/proc` and `/dev/termination-log` of `validate-channel`) are handed to it
+  through the settings that exist for exactly that (`IMEXD_DIR`, `HOSTS_FILE`, `IMEX_CHANNELS_DIR`, ...);
 - every pod has its own IP, but processes share the machine's ports: an address `[host]:port` of a declared
   container port becomes `<pod IP>:port`; a bare declared port number stays as it is when the process is
   told its pod IP (an env value equal to it, e.g. `POD_IP` from `status.podIP`: it binds that address),
@@ -32,6 +33,11 @@ REPO: Final = Path(__file__).resolve().parents[3]
 # Container paths a program uses by default, and the setting that moves them.
 PROGRAM_PATHS: Final[Mapping[tuple[str, ...], Mapping[str, str]]] = {
     ("-m", "imex", "daemon"): {"IMEXD_DIR": "/imexd", "HOSTS_FILE": "/etc/hosts"},
+    ("-m", "computedomain", "validate-channel"): {
+        "IMEX_CHANNELS_DIR": "/dev/nvidia-caps-imex-channels",
+        "PROC_ROOT": "/proc",
+        "TERMINATION_LOG": "/dev/termination-log",
+    },
 }
 
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")

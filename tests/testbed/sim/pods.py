@@ -24,6 +24,9 @@ agents, IMEX daemons, uninstall hook Jobs), does what the kubelet and the contai
   a Job's container that ends makes the pod Succeeded or Failed;
 - **probes**: `probes.Prober`; a pod with probes turns NotReady before its process starts and Ready only
   when every container's readiness (after its startup probe) passes;
+- **init containers** (of the release image) run in order before the others, each to its end; what one
+  wrote to `/dev/termination-log` is its status's termination message. CDI device nodes of the prepared
+  claims are created (mknod, as root) in the pod's `/dev`;
 - **logs**: `<state dir>/logs/<namespace>_<pod>_<container>.log`.
 
 Hosting: node agents and IMEX daemons run as one process each, or, with `Hosting.per_host > 1`, several per
@@ -42,6 +45,7 @@ import logging
 import os
 import shlex
 import socket
+import stat
 import sys
 import time
 from collections.abc import Mapping
@@ -151,6 +155,10 @@ class PodWorker:
         self.dir = runner.state_dir / "pods" / f"{self.namespace}_{self.name}_{self.uid[:8]}"
         self.deleting = asyncio.Event()
         self.containers = [ContainerState(c) for c in pod["spec"]["containers"] if c.get("image") in runner.images]
+        self.init_containers = [
+            ContainerState(c) for c in pod["spec"].get("initContainers") or () if c.get("image") in runner.images
+        ]
+        self.init_messages: dict[str, str] = {}
         self._status_lock = asyncio.Lock()
         self.status_written = False  # our first status write is done: from then on our Ready verdict stands
         self._reasserting = False
@@ -234,6 +242,20 @@ class PodWorker:
             mounts.add(mount["containerPath"], self.node.machine_path(mount["hostPath"]))
         mounts.add("/etc/hosts", self.dir / "etc-hosts")
         mounts.add("/proc", self.node.host_path("/proc"))
+        mounts.add("/dev/termination-log", self._termination_log(str(container.get("name"))))
+        devices = cdi.get("deviceNodes") or ()
+        if devices:
+            # The runtime creates a CDI device node in the container from its type, major and minor; here in
+            # the pod's /dev (as root; without it the container sees none, as a runtime without CDI would do).
+            dev = self.dir / "dev"
+            for node in devices:
+                if not str(node.get("path", "")).startswith("/dev/") or ".." in str(node["path"]):
+                    continue
+                path = dev / str(node["path"]).removeprefix("/dev/")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):
+                    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(int(node["major"]), int(node["minor"])))
+            mounts.add("/dev/nvidia-caps-imex-channels", dev / "nvidia-caps-imex-channels")
         return mounts
 
     def _imex_wrappers(self, mounts: Mounts) -> dict[str, str]:
@@ -340,6 +362,8 @@ class PodWorker:
                         cs["state"] = {"running": {"startedAt": now if not cs.get("state", {}).get("running") else cs["state"]["running"]["startedAt"]}}  # fmt: skip
                 statuses.append(cs)
             patch: dict[str, Any] = {"conditions": conditions, "containerStatuses": statuses}
+            if self.init_containers:
+                patch["initContainerStatuses"] = [self._init_status(c, now) for c in self.init_containers]
             if phase:
                 patch["phase"] = phase
             with contextlib.suppress(NotFound):
@@ -347,6 +371,53 @@ class PodWorker:
                     PODS, self.name, {"status": patch}, namespace=self.namespace, subresource="status"
                 )
                 self.status_written = True
+
+    def _init_status(self, state: ContainerState, now: str) -> dict[str, Any]:
+        """An init container's status as the kubelet reports it; the termination message is what the process
+        wrote to its /dev/termination-log (the kubelet keeps at most 4 KiB)."""
+        name = state.spec["name"]
+        base = {"name": name, "image": state.spec.get("image", ""), "imageID": "", "ready": state.finished,
+                "restartCount": state.restarts}  # fmt: skip
+        if state.exit_code is None:
+            running = (
+                {"running": {"startedAt": now}}
+                if state.launched is not None
+                else {"waiting": {"reason": "PodInitializing"}}
+            )
+            return {**base, "state": running}  # fmt: skip
+        terminated = {"exitCode": state.exit_code, "reason": "Completed" if state.exit_code == 0 else "Error",
+                      "finishedAt": now, "message": self.init_messages.get(name, "")[:4096]}  # fmt: skip
+        return {**base, "state": {"terminated": terminated}}
+
+    async def _run_init(self) -> bool:
+        """Init containers in order, each to its end (restartPolicy Never: the first failure fails the pod).
+        True when the main containers may start."""
+        for state in self.init_containers:
+            assert state.plan is not None
+            log_path = self.runner.state_dir / "logs" / f"{self.namespace}_{self.name}_{state.plan.name}.log"
+            state.launched = await self.runner.launch(state.plan, f"{self.uid}/{state.plan.name}/0", log_path)
+            await self.write_status()
+            waiting = asyncio.create_task(state.launched.wait())
+            deleting = asyncio.create_task(self.deleting.wait())
+            await asyncio.wait({waiting, deleting}, return_when=asyncio.FIRST_COMPLETED)
+            deleting.cancel()
+            if not waiting.done():
+                state.launched.kill()
+                await waiting
+                return False
+            state.exit_code, state.launched, state.finished = waiting.result(), None, True
+            message = self._termination_log(state.spec["name"])
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                self.init_messages[state.spec["name"]] = message.read_text()[:4096]
+            if state.exit_code != 0:
+                await self.write_status(phase="Failed" if self.pod["spec"].get("restartPolicy") == "Never" else None)
+                return False
+        if self.init_containers:
+            await self.write_status()
+        return True
+
+    def _termination_log(self, container: str) -> Path:
+        return self.dir / f"termination-{container}"
 
     def _changed(self) -> None:
         self.runner.spawn(self.write_status(), f"status-{self.key}")
@@ -398,8 +469,10 @@ class PodWorker:
             t0 = time.monotonic()
             kubeconfig = await self._kubeconfig()
             t1 = time.monotonic()
-            for state in self.containers:
+            for state in (*self.init_containers, *self.containers):
                 state.plan = await self._plan(state, kubeconfig)
+            if not await self._run_init():
+                return
             if any(c.spec.get(p) for c in self.containers for p in ("startupProbe", "readinessProbe")):
                 await self.write_status()
             log.info("starting pod=%s token=%.2fs plan+status=%.2fs", self.key, t1 - t0, time.monotonic() - t1)

@@ -14,7 +14,8 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from computedomain.kube.transport import Endpoint, Transport
+import aiohttp
+
 from tests.testbed.sim.containers import ContainerPlan, expand, local_argv
 
 ProbeResult = tuple[bool, str]
@@ -50,28 +51,28 @@ async def _exec(command: list[str], plan: ContainerPlan, deadline_s: float) -> P
 
 async def _grpc(host: str, port: int, service: str, deadline_s: float) -> ProbeResult:
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.testbed.kubelet_client import health_check, health_pb2
 
     async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
         try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=deadline_s
-            )
+            status = await health_check(channel, service, deadline_s)
         except grpc.aio.AioRpcError as exc:
             return False, f"{exc.code().name}: {exc.details()}"
-    return reply.status == health_pb2.HealthCheckResponse.SERVING, str(reply.status)
+    return status == health_pb2.HealthCheckResponse.SERVING, str(status)
 
 
 async def _http(host: str, port: int, path: str, deadline_s: float) -> ProbeResult:
-    # The kubelet's httpGet probe: one GET on a fresh connection (the product's HTTP/1.1 transport).
-    transport = Transport(Endpoint("http", host, port))
+    # The kubelet's httpGet probe: one GET on a fresh connection, redirects not followed.
+    host = f"[{host}]" if ":" in host else host
     try:
-        resp = await transport.request("GET", path, within=deadline_s)
-        return 200 <= resp.status < 400, f"HTTP {resp.status}"
-    except (OSError, TimeoutError) as exc:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline_s)) as session,
+            session.get(f"http://{host}:{port}{path}", allow_redirects=False) as resp,
+        ):
+            return 200 <= resp.status < 400, f"HTTP {resp.status}"
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         return False, f"{type(exc).__name__}: {exc}"
-    finally:
-        await transport.close()
 
 
 async def run_probe(

@@ -76,7 +76,7 @@ def test_clique_schema() -> None:
         "minimum": 1,
     }
     claims = schema["properties"]["preparedClaims"]
-    assert claims["x-kubernetes-list-map-keys"] == ["claimUID"]
+    assert claims["x-kubernetes-list-map-keys"] == ["claimUID", "nodeName"]
     assert claims["items"]["required"] == ["claimUID", "nodeName"]
     (rule,) = schema["x-kubernetes-validations"]
     assert "oldSelf.channel" in rule["rule"]

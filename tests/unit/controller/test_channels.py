@@ -208,6 +208,19 @@ def test_holders_of_live_nodes_are_checked_once_per_pass() -> None:
     assert plan(state, 2048).actions == (ReleaseRecord(replace(held, claims=(), holders_checked=True)),)
 
 
+def test_a_record_under_another_domains_name_or_outside_its_nodes_clique_gets_no_channel() -> None:
+    """A stolen node agent token may create ``<D>.<C>`` labelled with another (live) domain E, or records of
+    cliques its node is not in: neither takes a channel, and neither blocks the right record."""
+    squatter = replace(rec(2), name=f"{dom(1)}.{C}")  # named after domain 1, labelled domain 2
+    assert not plan(space(squatter), 2048).actions
+    elsewhere = rec(3, claims=(("c", "n"),))
+    assert not plan(replace(space(elsewhere), unbound=frozenset({elsewhere.name})), 2048).actions
+    # The right record of domain 1 beside them gets channel 1.
+    right = rec(1)
+    state = replace(space(squatter, elsewhere, right), unbound=frozenset({elsewhere.name}))
+    assert plan(state, 2048).actions == (CreateLock(right, 1),)
+
+
 def test_decode_lock_and_body_round_trip() -> None:
     body = channels.lock_body(R1, 3, GROUP_VERSION)
     body["metadata"]["uid"] = "u1"

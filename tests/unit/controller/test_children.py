@@ -140,8 +140,19 @@ def test_workload_template(mode: str, host: bool, expected: str) -> None:
         }
     ]
     devices = t["spec"]["spec"]["devices"]
+    # Only devices no other domain holds (several pods of this one on a node; design note 0014).
+    selector = (
+        '!("domain" in device.attributes["compute-domain.nvidia.com"]) || '
+        f'device.attributes["compute-domain.nvidia.com"].domain == "{UID}"'
+    )
     assert devices["requests"] == [
-        {"name": "channel", "exactly": {"deviceClassName": "compute-domain-default-channel.nvidia.com"}}
+        {
+            "name": "channel",
+            "exactly": {
+                "deviceClassName": "compute-domain-default-channel.nvidia.com",
+                "selectors": [{"cel": {"expression": selector}}],
+            },
+        }
     ]
     params = devices["config"][0]["opaque"]["parameters"]
     assert params == {

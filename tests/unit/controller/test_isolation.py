@@ -51,7 +51,7 @@ def test_workload_template_requests_any_channel_device() -> None:
     (create,) = plan.actions
     assert isinstance(create, CreateChild) and create.kind is ChildKind.WORKLOAD_TEMPLATE
     (request,) = create.body["spec"]["spec"]["devices"]["requests"]
-    assert request["exactly"]["deviceClassName"] == ISOLATED_CHANNEL_DEVICE_CLASS
+    assert request["exactly"] == {"deviceClassName": ISOLATED_CHANNEL_DEVICE_CLASS}  # any place, no holder
     params = create.body["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]
     assert params["allocationMode"] == "Single"
     assert decode_child(create.body).content.device_class == ISOLATED_CHANNEL_DEVICE_CLASS

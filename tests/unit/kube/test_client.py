@@ -20,10 +20,14 @@ from computedomain.kube.client import (
     ClientConfig,
     KubeClient,
 )
-from computedomain.kube.transport import Endpoint, Transport
-from tests.unit.kube.fake_http import FakeServer, status_reply
+from computedomain.kube.config import Credentials
+from tests.unit.kube.apistub import ApiStub, status_reply
 
 pytestmark = pytest.mark.timeout(10)
+
+
+def base_credentials(fake: ApiStub) -> Credentials:
+    return Credentials(fake.url)
 
 
 def client_for(url: str, **config: object) -> KubeClient:
@@ -35,12 +39,12 @@ def client_for(url: str, **config: object) -> KubeClient:
         "qps": 0,
     }
     settings.update(config)
-    return KubeClient(Transport(Endpoint.parse(url)), config=ClientConfig(**settings), rng=random.Random(3))  # type: ignore[arg-type]
+    return KubeClient(Credentials(url), config=ClientConfig(**settings), rng=random.Random(3))  # type: ignore[arg-type]
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[tuple[FakeServer, KubeClient]]:
-    async with FakeServer() as fake:
+async def api() -> AsyncIterator[tuple[ApiStub, KubeClient]]:
+    async with ApiStub() as fake:
         client = client_for(fake.url)
         try:
             yield fake, client
@@ -48,7 +52,7 @@ async def api() -> AsyncIterator[tuple[FakeServer, KubeClient]]:
             await client.close()
 
 
-async def test_paths_queries_and_content_types(api: tuple[FakeServer, KubeClient]) -> None:
+async def test_paths_queries_and_content_types(api: tuple[ApiStub, KubeClient]) -> None:
     fake, client = api
     await client.get(PODS, "p", namespace="ns")
     await client.list(COMPUTE_DOMAINS, label_selector="a=b,c in (d)", limit=10)
@@ -77,7 +81,7 @@ async def test_paths_queries_and_content_types(api: tuple[FakeServer, KubeClient
     assert fake.connections == 1
 
 
-async def test_transient_errors_are_retried_then_succeed(api: tuple[FakeServer, KubeClient]) -> None:
+async def test_transient_errors_are_retried_then_succeed(api: tuple[ApiStub, KubeClient]) -> None:
     fake, client = api
     fake.replies = [
         status_reply(503, "ServiceUnavailable", "etcd leader changed"),
@@ -88,7 +92,7 @@ async def test_transient_errors_are_retried_then_succeed(api: tuple[FakeServer, 
     assert len(fake.requests) == 3
 
 
-async def test_retries_run_out_with_the_last_error(api: tuple[FakeServer, KubeClient]) -> None:
+async def test_retries_run_out_with_the_last_error(api: tuple[ApiStub, KubeClient]) -> None:
     fake, client = api
     fake.replies = [status_reply(503, "ServiceUnavailable", f"try {i}") for i in range(10)]
     with pytest.raises(errors.Transient, match="try 3"):
@@ -109,7 +113,7 @@ class RecordingClock:
         self.slept.append(seconds)
 
 
-async def test_too_many_requests_honours_retry_after(api: tuple[FakeServer, KubeClient]) -> None:
+async def test_too_many_requests_honours_retry_after(api: tuple[ApiStub, KubeClient]) -> None:
     fake, client = api
     clock = RecordingClock()
     client._clock = clock
@@ -120,7 +124,7 @@ async def test_too_many_requests_honours_retry_after(api: tuple[FakeServer, Kube
     assert len(fake.requests) == 2
 
 
-async def test_errors_name_the_request_that_failed(api: tuple[FakeServer, KubeClient]) -> None:
+async def test_errors_name_the_request_that_failed(api: tuple[ApiStub, KubeClient]) -> None:
     fake, client = api
     fake.replies = [status_reply(403, "Forbidden", 'daemonsets.apps is forbidden: User "x" cannot create ...')]
     with pytest.raises(errors.Forbidden) as caught:
@@ -131,7 +135,7 @@ async def test_errors_name_the_request_that_failed(api: tuple[FakeServer, KubeCl
     assert "may not create daemonsets.apps in namespace drv" in errors.explain(err)
 
 
-async def test_retry_after_longer_than_the_deadline_is_raised_to_the_caller(api: tuple[FakeServer, KubeClient]) -> None:
+async def test_retry_after_longer_than_the_deadline_is_raised_to_the_caller(api: tuple[ApiStub, KubeClient]) -> None:
     fake, client = api
     fake.replies = [status_reply(429, "TooManyRequests", "APF", [("Retry-After", "30")])]
     with pytest.raises(errors.TooManyRequests) as exc:
@@ -145,7 +149,7 @@ async def test_retry_after_longer_than_the_deadline_is_raised_to_the_caller(api:
     [(404, "NotFound", errors.NotFound), (409, "Conflict", errors.Conflict), (422, "Invalid", errors.Invalid)],
 )
 async def test_caller_errors_are_not_retried(
-    api: tuple[FakeServer, KubeClient], code: int, reason: str, cls: type[errors.KubeError]
+    api: tuple[ApiStub, KubeClient], code: int, reason: str, cls: type[errors.KubeError]
 ) -> None:
     fake, client = api
     fake.replies = [status_reply(code, reason, "nope")]
@@ -176,11 +180,11 @@ def test_resource_paths_validate_scope() -> None:
 
 
 async def test_a_client_with_its_own_budget_never_takes_the_tokens_of_the_first(
-    api: tuple[FakeServer, KubeClient],
+    api: tuple[ApiStub, KubeClient],
 ) -> None:
     fake, base = api
     clock = RecordingClock()
-    client = KubeClient(base._transport, config=ClientConfig(qps=1, burst=2), clock=clock)
+    client = KubeClient(base.credentials, config=ClientConfig(qps=1, burst=2), clock=clock)
     events = client.with_own_budget()
     for _ in range(5):
         await events.get(PODS, "e", namespace="ns")
@@ -191,11 +195,12 @@ async def test_a_client_with_its_own_budget_never_takes_the_tokens_of_the_first(
     assert clock.slept == [], "the first client's burst is untouched by the other's writes"
     await events.close()
     await client.get(PODS, "p", namespace="ns")  # closing the other closed nothing
+    await client.close()
     assert len(fake.requests) == 8
 
 
 async def test_a_background_request_takes_a_slot_only_when_no_other_request_waits() -> None:
-    async with FakeServer() as fake:
+    async with ApiStub() as fake:
         fake.hold = asyncio.Event()
         client = client_for(fake.url, max_in_flight=2)
         reports = client.with_own_budget(background=True)
@@ -219,7 +224,7 @@ async def test_a_background_request_takes_a_slot_only_when_no_other_request_wait
 
 
 async def test_requests_in_flight_are_bounded_and_the_rest_wait_their_turn() -> None:
-    async with FakeServer() as fake:
+    async with ApiStub() as fake:
         fake.hold = asyncio.Event()
         client = client_for(fake.url, max_in_flight=3)
         try:
@@ -239,7 +244,7 @@ async def test_requests_in_flight_are_bounded_and_the_rest_wait_their_turn() -> 
 
 
 async def test_a_write_gives_the_apiserver_the_clients_timeout() -> None:
-    async with FakeServer() as fake:
+    async with ApiStub() as fake:
         client = client_for(fake.url, timeout=2.5)
         try:
             await client.apply(COMPUTE_DOMAINS, {"metadata": {"name": "cd", "namespace": "ns"}}, force=True)
@@ -249,3 +254,27 @@ async def test_a_write_gives_the_apiserver_the_clients_timeout() -> None:
     apply, get = (parse_qs(r.target.partition("?")[2]) for r in fake.requests)
     assert apply == {"fieldManager": ["computedomain"], "timeout": ["2500ms"], "force": ["true"]}
     assert get == {}  # reads keep the apiserver's own limit (a list may take long)
+
+
+async def test_retries_back_off_with_jitter_and_stop_before_the_calls_deadline(
+    api: tuple[ApiStub, KubeClient],
+) -> None:
+    fake, _ = api
+    clock = RecordingClock()
+    client = KubeClient(
+        base_credentials(fake),
+        config=ClientConfig(qps=0, max_attempts=10, backoff_base=1.0, backoff_cap=100.0, deadline=10.0),
+        clock=clock,
+        rng=random.Random(7),
+    )
+    fake.replies = [status_reply(503, "ServiceUnavailable", f"try {i}") for i in range(10)]
+    try:
+        with pytest.raises(errors.Transient):
+            await client.get(PODS, "p", namespace="ns")
+    finally:
+        await client.close()
+    for n, slept in enumerate(clock.slept):
+        assert 0.5 * 2**n <= slept < 1.5 * 2**n, clock.slept
+    assert len(set(round(s / 2**n, 6) for n, s in enumerate(clock.slept))) > 1, "jittered, not a fixed factor"
+    assert sum(clock.slept) < 10.0, "no wait runs past the call's deadline"
+    assert len(fake.requests) == len(clock.slept) + 1 < 10

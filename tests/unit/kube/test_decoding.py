@@ -13,11 +13,11 @@ import pytest
 from pydantic_core import from_json
 
 from computedomain.kube.client import RESOURCE_CLAIM_TEMPLATES, ClientConfig, KubeClient
+from computedomain.kube.config import Credentials
 from computedomain.kube.decoding import MAX_DEPTH, MAX_OBJECT_BYTES, DecodeError, decode, decode_items
 from computedomain.kube.errors import Permanent
 from computedomain.kube.informer import Informer, Rejection
-from computedomain.kube.transport import Endpoint, Transport
-from tests.unit.kube.fake_http import FakeServer, Recorded, Reply
+from tests.unit.kube.apistub import ApiStub, Recorded, Reply
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -131,10 +131,10 @@ class FakeApiserver:
 
 
 async def serve(fake: FakeApiserver) -> AsyncIterator[KubeClient]:
-    async with FakeServer() as server:
+    async with ApiStub() as server:
         server.answer = fake.answer
         client = KubeClient(
-            Transport(Endpoint.parse(server.url)),
+            Credentials(server.url),
             config=ClientConfig(qps=0, max_attempts=1),
             rng=random.Random(1),
         )

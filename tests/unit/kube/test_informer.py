@@ -84,3 +84,19 @@ async def test_a_refused_list_or_watch_is_reported_and_heals() -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_restarts_that_keep_failing_warn_and_do_not_stay_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    informer: Informer[Raw] = Informer(
+        KubeClient.__new__(KubeClient),
+        COMPUTE_DOMAIN_CLIQUES,
+        decode=lambda raw: raw,
+        name="cliques",
+        clock=FakeClock(),
+        rng=random.Random(1),
+    )
+    caplog.set_level("DEBUG", logger="computedomain.kube.informer")
+    for _ in range(7):
+        informer._failed(KubeError("connection refused"))
+    levels = [r.levelname for r in caplog.records if "informer restart" in r.getMessage()]
+    assert levels == ["DEBUG"] * 4 + ["WARNING"] * 3, levels

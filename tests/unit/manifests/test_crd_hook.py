@@ -76,3 +76,20 @@ async def test_gives_up_when_the_crd_keeps_changing() -> None:
     api = Api(_installed(["v1beta1"]), conflicts=99)
     assert not await hook.bring_up_to_date(api, WANTED)
     assert len(api.puts) == hook.ATTEMPTS
+
+
+async def test_a_downgrade_leaves_a_newer_charts_crd_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    installed = _installed(["v1beta1"])
+    installed["metadata"]["annotations"][hook.VERSION_ANNOTATION] = "0.7.0"
+    api = Api(installed)
+    assert await hook.bring_up_to_date(api, WANTED, "0.6.2")
+    assert (
+        api.puts == [] and "is from chart 0.7.0, newer than this chart (0.6.2); left alone" in capsys.readouterr().out
+    )
+    # The same or an older chart's CRD is brought up to date and stamped with this chart's version.
+    for older in ("0.6.2", "0.5.9", "not-a-version"):
+        installed["metadata"]["annotations"][hook.VERSION_ANNOTATION] = older
+        api = Api(installed)
+        assert await hook.bring_up_to_date(api, WANTED, "0.6.2")
+        assert api.puts[-1]["metadata"]["annotations"] == {"keep": "me", hook.VERSION_ANNOTATION: "0.6.2"}
+        assert api.puts[-1]["spec"] == WANTED["spec"]

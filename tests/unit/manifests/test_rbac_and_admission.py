@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from computedomain.api.models import ComputeDomainChannelConfig, ComputeDomainDaemonConfig
-from tests.unit.manifests.chart import HOST_MANAGED, REPO, Rendered, admission_policy, policy_variables, render
+from tests.unit.manifests.chart import CHART, HOST_MANAGED, REPO, Rendered, admission_policy, policy_variables, render
 
 Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
 
@@ -92,6 +92,20 @@ def test_exact_grants(default: Rendered) -> None:
     )
 
 
+def test_exact_grants_with_channel_isolation() -> None:
+    """The records (the node agent creates and patches them; the controller also patches the channel in) and
+    the channel locks (Leases of the release namespace); docs/security.md says what narrows each."""
+    r = render(
+        *HOST_MANAGED, "featureGates.IMEXChannelIsolation=true", "resources.computeDomains.imex.isolation=channel"
+    )
+    assert _grants(r, "controller") == CONTROLLER | _v("resource.nvidia.com", "computedomaincliques", "patch") | _v(
+        "coordination.k8s.io", "leases", "delete"
+    )
+    assert _grants(r, "kubelet-plugin") == NODE_AGENT | _v(
+        "resource.nvidia.com", "computedomaincliques", *READ, "create", "patch"
+    )
+
+
 def test_no_wildcards_secrets_or_escalation(default: Rendered) -> None:
     for kind in ("ClusterRole", "Role"):
         for role in default.all(kind):
@@ -165,7 +179,8 @@ def test_crd_hook_may_only_update_the_two_crds(default: Rendered) -> None:
         assert (int(annotations["helm.sh/hook-weight"]) < 0) == (o["kind"] != "Job")
     (job,) = [o for o in hook_objects if o["kind"] == "Job"]
     command = job["spec"]["template"]["spec"]["containers"][0]["command"]
-    crds = [json.loads(arg) for arg in command[3:]]
+    assert command[3] == "--chart-version=" + yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    crds = [json.loads(arg) for arg in command[4:]]
     on_disk = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "manifests" / "crds").glob("*.yaml"))]
     assert crds == on_disk, "the Job applies exactly the chart's CRDs"
     assert not _hook_objects(render("crds.upgrade=false", hooks=True), "crds")

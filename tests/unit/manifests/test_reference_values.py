@@ -119,6 +119,9 @@ def test_reference_values_file_reaches_the_processes(ref: Rendered) -> None:
     assert (controller.kube_api_qps, controller.kube_api_burst) == (10.0, 20)
     assert controller.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES)
     assert (controller.http_endpoint, controller.metrics_path) == (":8080", "/metrics")
+    # The reference's IMEX config overrides and, from controller.priorityClassName, the daemons' priority class.
+    assert controller.imex_config_overrides == {"IMEX_NODE_DISCONNECTED_GRACE_TIME": "60"}
+    assert controller.daemon_priority_class == "system-node-critical"
     agent = load_settings(PluginSettings, environ=env_of(_agent(ref), FIELDS))
     assert agent.log_level == "info", "the node agent's own LOG_VERBOSITY 4 wins over logVerbosity 6"
     assert (agent.driver_root, agent.driver_root_mount) == ("/run/nvidia/driver", "/driver-root")
@@ -171,6 +174,8 @@ def test_reference_values_file_objects(ref: Rendered) -> None:
     assert {o["metadata"]["name"] for o in ref.all("NetworkPolicy")} == {
         "compute-domain-controller",
         "compute-domain-kubelet-plugin",
+        "compute-domain-controller-ingress",
+        "compute-domain-kubelet-plugin-ingress",
     }
     # The admission policy confines the ServiceAccount actually used, in the namespace actually used.
     (policy,) = [p for p in ref.all("ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith("own-node")]

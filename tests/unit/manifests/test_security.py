@@ -221,3 +221,72 @@ def test_daemon_pods_carry_the_label_the_network_policy_selects() -> None:
     for selector in (policy["spec"]["podSelector"], policy["spec"]["ingress"][0]["from"][0]["podSelector"]):
         assert selector["matchLabels"].items() <= labels.items()
     assert labels[COMPUTE_DOMAIN_LABEL] == cd.uid
+
+
+def test_ingress_policies_admit_only_the_monitoring_namespaces_to_the_metrics_port(default: Rendered) -> None:
+    """On by default: each of the controller and the node agent gets an Ingress policy selecting exactly its
+    own pods, whose one rule lets the monitoring namespaces reach the `metrics` port; the health port (the
+    kubelet probes it from the node) and everything else get no rule."""
+    workloads = {"controller": default.one("Deployment", component="controller"),
+                 "kubelet-plugin": default.one("DaemonSet", component="kubelet-plugin")}  # fmt: skip
+    for component, workload in workloads.items():
+        policy = default.one("NetworkPolicy", f"compute-domain-{component}-ingress")
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        others = [w for c, w in workloads.items() if c != component]
+        assert not any(
+            spec["podSelector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+            for w in others
+        )
+        (rule,) = spec["ingress"]
+        assert rule["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+        (peer,) = rule["from"]
+        assert peer == {"namespaceSelector": {"matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}]}}  # fmt: skip
+        ports = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c.get("ports", ())}
+        assert "metrics" in ports
+    # The monitoring namespaces are a value; without any, or without the node agent's metrics, no port is open.
+    r = render("ingressNetworkPolicy.monitoringNamespaces={prom,obs}", "kubeletPlugin.metrics.enabled=false")
+    rule = r.one("NetworkPolicy", "compute-domain-controller-ingress")["spec"]["ingress"][0]
+    assert rule["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["prom", "obs"]
+    assert r.one("NetworkPolicy", "compute-domain-kubelet-plugin-ingress")["spec"]["ingress"] == []
+    # ... and one key turns them off.
+    off = render("ingressNetworkPolicy.enabled=false")
+    assert not any(n.endswith("-ingress") for n in off.names("NetworkPolicy"))
+
+
+def test_channel_claims_policy_in_both_modes() -> None:
+    """Claims and templates of the channel classes: templates only from the controller, claims only from the
+    resourceclaim controller (which makes them for a pod from its namespace's template)."""
+    for sets in (
+        (),
+        (*HOST_MANAGED, "featureGates.IMEXChannelIsolation=true", "resources.computeDomains.imex.isolation=channel"),
+    ):
+        policy = admission_policy(render(*sets), "channel-claims")
+        rules = policy["spec"]["matchConstraints"]["resourceRules"]
+        assert {(res, op) for rule in rules for res in rule["resources"] for op in rule["operations"]} == {
+            ("resourceclaims", "CREATE"),
+            ("resourceclaimtemplates", "CREATE"),
+        }
+        variables = policy_variables(policy)
+        assert "system:serviceaccount:nvidia-compute-domain:compute-domain-controller" in variables["creators"]
+        assert "system:serviceaccount:kube-system:resource-claim-controller" in variables["creators"]
+        (condition,) = policy["spec"]["matchConditions"]
+        for channel_class in ("compute-domain-default-channel.nvidia.com", "compute-domain-channel.nvidia.com"):
+            assert channel_class in condition["expression"] and channel_class in variables["classes"]
+
+
+def test_hook_permissions_do_not_outlive_a_failed_hook(default: Rendered) -> None:
+    """The hooks' ServiceAccounts, ClusterRoles and bindings (list/delete every ComputeDomain, update the
+    CRDs) are deleted whatever the hook's outcome; only a failed Job (or the test pod) stays, for its logs."""
+    hooks = [o for o in default.objects if "helm.sh/hook" in o["metadata"].get("annotations", {})]
+    assert {o["kind"] for o in hooks} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Job"}
+    for obj in hooks:
+        policy = set(obj["metadata"]["annotations"]["helm.sh/hook-delete-policy"].split(","))
+        assert ("hook-failed" in policy) == (obj["kind"] not in ("Job", "Pod")), (
+            obj["kind"],
+            obj["metadata"]["name"],
+            policy,
+        )

@@ -67,6 +67,7 @@ class FakeClaims:
     def __init__(self) -> None:
         self.claims: dict[tuple[str, str], ClaimSnapshot] = {}
         self.gets = 0
+        self._changed = asyncio.Event()
 
     def add(self, namespace: str, name: str, status: dict[str, Any], uid: str | None = None) -> ClaimRef:
         uid = uid or str(uuid.uuid4())
@@ -83,6 +84,19 @@ class FakeClaims:
     async def claim_uid(self, namespace: str, name: str) -> str | None:
         claim = self.claims.get((namespace, name))
         return claim.uid if claim else None
+
+    def delete(self, ref: ClaimRef) -> None:
+        """The claim's pod was deleted: the claim goes (``wait_gone`` returns)."""
+        self.claims.pop((ref.namespace, ref.name), None)
+        self._changed.set()
+
+    async def wait_gone(self, namespace: str, name: str, uid: str) -> None:
+        while True:
+            self._changed.clear()
+            claim = self.claims.get((namespace, name))
+            if claim is None or claim.uid != uid:
+                return
+            await self._changed.wait()
 
 
 class FakeDomains:
@@ -225,6 +239,13 @@ class FakeChannels:
     def node_claims(self) -> list[tuple[str, str, str]]:
         return [(d, c, claim) for (d, c), held in self.claims.items() for claim, _ in held]
 
+    async def hold(self, domain_uid: str, clique_id: str, claim_uid: str) -> bool:
+        held = self.claims.setdefault((domain_uid, clique_id), set())
+        if (claim_uid, NODE) in held:
+            return False
+        held.add((claim_uid, NODE))
+        return True
+
     def holders(self, domain_uid: str, clique_id: str = CLIQUE) -> set[str]:
         return {claim for claim, _ in self.claims.get((domain_uid, clique_id), set())}
 
@@ -291,6 +312,8 @@ class Bed:
         self.readiness = FakeReadiness(self.clock)
         self.hardware = FakeHardware(clique)
         self.daemon_pods = FakeDaemonPods()
+        #: (claim name, message) of what waiting claims told their pods
+        self.notices: list[tuple[str, str]] = []
         self.channels: ChannelAssignments | None = None
         if isolated:
             self.channels = channels or FakeChannels(self.clock)
@@ -303,7 +326,7 @@ class Bed:
                 host_managed=host_managed or isolated,
                 budget=Budget(budget_s, backoff_initial=0.01, backoff_max=0.05),
                 daemon_namespaces=("driver",),
-                channel_devices=channel_devices if isolated else 1,
+                channel_devices=channel_devices,
             ),
             store=self.store,
             cdi_dir=self.cdi,
@@ -317,6 +340,7 @@ class Bed:
             channels=self.channels,
             clock=self.clock,
             run_blocking=inline if isinstance(self.clock, FakeClock) else asyncio.to_thread,
+            notify=lambda claim, message: self.notices.append((claim.name, message)),
         )
 
     def set_budget(self, budget_s: float) -> None:

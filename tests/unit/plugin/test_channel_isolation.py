@@ -113,6 +113,22 @@ async def test_unprepare_releases_and_the_cleanup_finishes_a_failed_release(tmp_
     assert await bed.preparer.release_stale_channels() == []
 
 
+async def test_the_cleanup_lists_a_prepared_claim_again_whatever_was_written_to_its_record(tmp_path: Path) -> None:
+    """An entry of a claim still prepared here that went from the record (written by anyone but this node)
+    comes back at the next cleanup, so the record and its channel stay while the containers run."""
+    bed = iso_bed(tmp_path)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd)
+    assert (await bed.preparer.prepare([ref]))[ref.uid].ok
+    assert await bed.preparer.hold_prepared_channels() == []
+    fakes(bed).claims[(cd.uid, CLIQUE)].clear()  # the entry is taken off behind the node's back
+    assert await bed.preparer.hold_prepared_channels() == [ref.uid]
+    assert fakes(bed).holders(cd.uid) == {ref.uid}
+    assert (await bed.preparer.unprepare([ref]))[ref.uid].ok
+    assert await bed.preparer.hold_prepared_channels() == []
+    assert fakes(bed).holders(cd.uid) == set()
+
+
 async def test_a_node_without_a_clique_injects_nothing_and_holds_nothing(tmp_path: Path) -> None:
     bed = iso_bed(tmp_path, clique="")
     cd = bed.domains.add("team-a")
@@ -123,9 +139,9 @@ async def test_a_node_without_a_clique_injects_nothing_and_holds_nothing(tmp_pat
 
 
 async def test_channel_devices_are_places_for_claims(tmp_path: Path) -> None:
-    assert [d.name for d in published_devices(host_managed=True, imex_supported=True, channel_devices=3)] == [
-        "channel-0", "channel-1", "channel-2"]  # fmt: skip
-    assert [d.id for d in published_devices(host_managed=True, imex_supported=True, channel_devices=3)] == [0, 1, 2]
+    places = published_devices(host_managed=True, imex_supported=True, channel_devices=3, isolated=True)
+    assert [d.name for d in places] == ["channel-0", "channel-1", "channel-2"]
+    assert [d.id for d in places] == [0, 1, 2]
     assert published_device_names() == {"channel-0", "daemon-0"}
     bed = iso_bed(tmp_path, channel_devices=2)
     ref = bed.channel_claim(bed.domains.add("team-a"), device="channel-2")

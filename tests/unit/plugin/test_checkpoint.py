@@ -117,14 +117,28 @@ def test_unprepare_of_started_is_aborted_and_idempotent() -> None:
     assert ck.finish_unprepare(cp, "unknown", now=T0) == cp
 
 
-def test_channel_held_by_completed_claim_blocks_another() -> None:
+OTHER_CD = "6f1c2d3e-0000-4000-8000-00000000cd02"
+OTHER_CHANNEL0 = PreparedResource(
+    kind=DeviceKind.CHANNEL,
+    domain_id=OTHER_CD,
+    channels=(0,),
+    node_label=NodeLabel(key="resource.nvidia.com/computeDomain", value=OTHER_CD),
+)
+
+
+def test_channel_held_by_completed_claim_blocks_another_domain_not_its_own() -> None:
     cp = prepared(UID_A)
-    with pytest.raises(ChannelInUseError) as err:
-        begin(cp, UID_B)
-    assert err.value.channel == 0 and err.value.holder == UID_A
-    # Once A is unprepared, B can go.
-    cp = ck.finish_unprepare(cp, UID_A, now=T0)
+    # Claims of one domain share its channel 0 (several pods on the node).
     assert begin(cp, UID_B).claims[UID_B].state is ClaimState.PREPARE_STARTED
+    with pytest.raises(ChannelInUseError) as err:
+        begin(cp, UID_B, resources=[OTHER_CHANNEL0])
+    assert err.value.channel == 0 and err.value.holder == UID_A
+    # Once A is unprepared, the other domain can go.
+    cp = ck.finish_unprepare(cp, UID_A, now=T0)
+    assert begin(cp, UID_B, resources=[OTHER_CHANNEL0]).claims[UID_B].state is ClaimState.PREPARE_STARTED
+    # hostManaged channel 0 (no node label) is every domain's: no guard.
+    host = PreparedResource(kind=DeviceKind.CHANNEL, domain_id=OTHER_CD, channels=(0,))
+    assert begin(prepared(UID_A), UID_B, resources=[host]).claims[UID_B].state is ClaimState.PREPARE_STARTED
 
 
 def test_started_claim_does_not_hold_channel_and_daemon_claims_hold_none() -> None:

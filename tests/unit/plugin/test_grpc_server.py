@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import shutil
+import socket
 import stat
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from computedomain.plugin.grpc_server import (
+    HEALTH_BOUNDS,
     SUPPORTED_VERSIONS,
     PluginServer,
     SocketPathError,
@@ -29,7 +36,17 @@ from computedomain.plugin.preparer import (
     UnprepareResult,
 )
 from computedomain.plugin.proto import dra_v1_pb2
-from tests.testbed.kubelet_client import V1, V1BETA1, KubeletClient, PluginInfo, RegistrationRejectedError, unary
+from tests.testbed.kubelet_client import (
+    V1,
+    V1BETA1,
+    KubeletClient,
+    PluginInfo,
+    RegistrationRejectedError,
+    health_check,
+    health_pb2,
+    unary,
+)
+from tests.unit.trickle import trickle
 
 DRIVER = "compute-domain.nvidia.com"
 
@@ -225,9 +242,7 @@ def test_too_long_socket_path_is_refused(preparer: FakePreparer) -> None:
 
 async def _health(port: int, service: str) -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-    return int(reply.status)
+        return await health_check(channel, service, deadline_s=10)
 
 
 @pytest.mark.parametrize("service", ["liveness", ""])
@@ -266,10 +281,8 @@ async def test_agents_on_pod_ips_share_the_health_port(preparer: FakePreparer, s
             assert second.health_port == first.health_port
             for ip in ("127.0.0.2", "127.0.0.3"):
                 async with grpc.aio.insecure_channel(f"{ip}:{first.health_port}") as channel:
-                    reply = await health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service="liveness"), timeout=10
-                    )
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                    status = await health_check(channel, "liveness", deadline_s=10)
+                assert status == health_pb2.HealthCheckResponse.SERVING
         finally:
             await second.stop(grace_s=0)
     finally:
@@ -347,16 +360,32 @@ def test_kubelet_stand_in_rejects_bad_plugin_info() -> None:
 # --- what the server library leaves to us: bounded requests, the health contract, graceful stop, deadlines
 
 
-async def test_health_list(server: PluginServer) -> None:
+async def test_health_serves_check_only(server: PluginServer) -> None:
+    """Check is the kubelet's probe; Watch (a stream held open from any pod) and List (every service's
+    self-check for one request) are not served."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10)
-        assert {name: s.status for name, s in reply.statuses.items()} == dict.fromkeys(
-            ("", "liveness", "readiness"), health_pb2.HealthCheckResponse.SERVING
+        watch = channel.unary_stream(
+            "/grpc.health.v1.Health/Watch",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10):
+            async for _ in watch(health_pb2.HealthCheckRequest(), timeout=10):
                 pass
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        list_ = unary(
+            channel, "/grpc.health.v1.Health/List", health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await list_(health_pb2.HealthCheckRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_health_messages_are_grpc_health_v1s() -> None:
+    # The bytes of grpc.health.v1 (field 1 of each, a string and an enum) as grpc-go's prober sends and reads.
+    assert health_pb2.HealthCheckRequest(service="liveness").SerializeToString() == b"\n\x08liveness"
+    assert health_pb2.HealthCheckResponse.FromString(b"\x08\x02").status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health_pb2.DESCRIPTOR.package == "grpc.health.v1"
 
 
 async def test_oversized_request_is_refused_before_it_is_read(server: PluginServer) -> None:
@@ -434,3 +463,203 @@ async def test_the_kubelets_deadline_cancels_the_prepare(paths: SocketPaths) -> 
                 await kubelet.prepare([CLAIM_A])
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await asyncio.wait_for(preparer.cancelled.wait(), 5)
+
+
+# --- the bounds of each socket: what a pod that reaches the health port can cost ------------------------------
+
+CHECK = "/grpc.health.v1.Health/Check"
+GRPC_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", CHECK),
+    (":authority", "node-agent"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
+
+
+class RawClient:
+    """An HTTP/2 client (h2) on a plain socket, so that a test can send what no gRPC library would."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.reader, self.writer = reader, writer
+        self.events: list[h2.events.Event] = []
+        self.closed = False
+
+    @classmethod
+    async def connect(cls, port: int) -> RawClient:
+        client = cls(*await asyncio.open_connection("127.0.0.1", port))
+        client.h2.initiate_connection()
+        await client.flush()
+        return client
+
+    async def flush(self) -> None:
+        self.writer.write(self.h2.data_to_send())
+        await self.writer.drain()
+
+    async def read_until(self, done: Callable[[list[h2.events.Event]], bool]) -> None:
+        """Read until `done(events)` or the server closes the connection (a test's timeout if neither)."""
+        while not done(self.events):
+            try:
+                data = await self.reader.read(65536)
+            except ConnectionError:
+                data = b""
+            if not data:
+                self.closed = True
+                return
+            try:
+                self.events += self.h2.receive_data(data)
+            except h2.exceptions.ProtocolError:
+                self.closed = True
+                return
+            await self.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _trailers(events: list[h2.events.Event]) -> dict[str, str]:
+    for event in events:
+        if isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
+            headers = dict(event.headers)
+            if "grpc-status" in headers:
+                return headers
+    return {}
+
+
+@pytest.fixture
+async def bounded(preparer: FakePreparer, paths: SocketPaths) -> AsyncIterator[PluginServer]:
+    """A health port with the shipped bounds but deadlines and connection caps small enough for a test."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=0.5, request_s=0.5, connections=4, connections_per_peer=3)
+    srv = PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds)
+    async with srv:
+        yield srv
+
+
+async def test_a_4mib_health_request_of_tiny_fields_is_refused_unread(server: PluginServer) -> None:
+    """2M empty `service` fields: refused from its length prefix (a service name is a few bytes), never
+    decoded; the previous server decoded all of it on the event loop and answered SERVING."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+        check = channel.unary_unary(
+            CHECK,
+            request_serializer=lambda _: b"\x0a\x00" * (2 * 1024 * 1024),
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await check(None, timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"(4194304 vs. {HEALTH_BOUNDS.max_message_bytes})" in (err.value.details() or "")
+
+
+async def test_a_stalled_big_message_holds_one_window_at_most(server: PluginServer) -> None:
+    """A call that declares 4 MiB and stalls: the server lets the peer send at most one small flow-control
+    window on the connection (it held up to 4 MiB per connection before) and refuses the call from its prefix."""
+    assert server.health_port
+    client = await RawClient.connect(server.health_port)
+    try:
+        await client.read_until(lambda events: any(isinstance(e, h2.events.RemoteSettingsChanged) for e in events))
+        assert client.h2.outbound_flow_control_window <= 65535
+        assert client.h2.remote_settings.initial_window_size <= 65535
+        client.h2.send_headers(1, GRPC_HEADERS)
+        client.h2.send_data(1, b"\x00" + (4 * 1024 * 1024).to_bytes(4, "big") + b"\x0a" * 1000)
+        await client.flush()
+        await client.read_until(lambda events: bool(_trailers(events)))
+        assert _trailers(client.events).get("grpc-status") == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    finally:
+        client.close()
+
+
+async def test_bytes_trickled_lose_the_connection_at_its_deadline(bounded: PluginServer) -> None:
+    """A whole, valid Check sent a byte every 20 ms (~3 s): the connection is closed at its deadline (0.5 s
+    here) before the request is complete; the previous server waited for it and answered."""
+    assert bounded.health_port
+    reader, writer = await asyncio.open_connection("127.0.0.1", bounded.health_port)
+    request = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    request.initiate_connection()
+    request.send_headers(1, GRPC_HEADERS)
+    message = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+    request.send_data(1, b"\x00" + len(message).to_bytes(4, "big") + message, end_stream=True)
+    data = request.data_to_send()
+    sent, closed = await trickle(reader, writer, data)
+    if not closed:
+        with contextlib.suppress(ConnectionError):
+            while await asyncio.wait_for(reader.read(65536), 10):
+                pass
+        closed = reader.at_eof()
+    writer.close()
+    assert closed and sent < len(data), f"sent {sent} of {len(data)} bytes"
+    assert await _health(bounded.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_connections_beyond_the_cap_are_reset_and_idle_ones_closed(bounded: PluginServer) -> None:
+    """Ten connections that send nothing, from two addresses: the server keeps 3 from one address and 4 in
+    all (the test's caps), resets the others as they are accepted, and closes the kept ones at the idle
+    deadline; the previous server kept all ten for good."""
+    assert bounded.health_port
+    clients = []
+    for i in range(10):
+        sock = socket.socket()
+        sock.bind((f"127.0.0.{1 + i % 2}", 0))
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", bounded.health_port))
+        clients.append(await asyncio.open_connection(sock=sock))
+    kept = 0
+    for reader, _ in clients:
+        with contextlib.suppress(ConnectionError):
+            # An admitted connection gets the server's SETTINGS at once; a refused one is reset.
+            kept += bool(await asyncio.wait_for(reader.read(65536), 10))
+    assert kept == 4
+    for reader, writer in clients:  # the kept ones are closed at the idle deadline
+        with contextlib.suppress(ConnectionError):
+            while await asyncio.wait_for(reader.read(65536), 10):
+                pass
+        writer.close()
+    assert await _health(bounded.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_long_header_block_is_refused_undecoded(server: PluginServer) -> None:
+    """A call whose headers are 2.5 KiB of Huffman-coded text (hpack decodes ~1.5 µs a byte in pure Python; h2
+    accepts up to 1 MiB in CONTINUATION frames): the connection is closed before it is decoded. The previous
+    server decoded it and answered the call."""
+    assert server.health_port
+    client = await RawClient.connect(server.health_port)
+    try:
+        client.h2.send_headers(1, [*GRPC_HEADERS, ("x-pad", "a" * 4000)])
+        message = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+        client.h2.send_data(1, b"\x00" + len(message).to_bytes(4, "big") + message, end_stream=True)
+        await client.flush()
+        await client.read_until(lambda events: bool(_trailers(events)))
+        assert client.closed and not _trailers(client.events)
+    finally:
+        client.close()
+
+
+async def test_the_cap_on_concurrent_calls_is_advertised(preparer: FakePreparer, paths: SocketPaths) -> None:
+    """A gRPC client queues calls beyond the server's SETTINGS_MAX_CONCURRENT_STREAMS (h2's default: 100)."""
+    srv = PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1")
+    async with srv:
+        assert srv.health_port
+        client = await RawClient.connect(srv.health_port)
+        try:
+            await client.read_until(lambda events: any(isinstance(e, h2.events.RemoteSettingsChanged) for e in events))
+            assert client.h2.remote_settings.max_concurrent_streams == HEALTH_BOUNDS.streams_per_connection
+        finally:
+            client.close()
+
+
+async def test_a_call_whose_message_stalls_loses_its_connection(preparer: FakePreparer, paths: SocketPaths) -> None:
+    """Headers at once, then 3 of a declared 16 bytes and nothing more: the connection is closed at the request
+    deadline (0.5 s here; the idle deadline, 30 s, is not what closes it); the previous server waited for good."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0, request_s=0.5)
+    async with PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds) as srv:
+        assert srv.health_port
+        client = await RawClient.connect(srv.health_port)
+        try:
+            client.h2.send_headers(1, GRPC_HEADERS)
+            client.h2.send_data(1, b"\x00" + (16).to_bytes(4, "big") + b"\x0a\x01a")
+            await client.flush()
+            await asyncio.wait_for(client.read_until(lambda _: False), 10)
+            assert client.closed
+        finally:
+            client.close()

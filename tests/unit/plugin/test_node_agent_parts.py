@@ -12,13 +12,23 @@ import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
 from computedomain.api.models import ComputeDomain, ComputeDomainClique
+from computedomain.kube.clock import FakeClock
+from computedomain.kube.workqueue import DONE, RequeueAfter
 from computedomain.plugin.cdi import ClaimSpec, channel_edits
-from computedomain.plugin.checkpoint import ClaimState, NodeLabel, PreparedResource, begin_prepare
+from computedomain.plugin.checkpoint import (
+    Checkpoint,
+    ClaimState,
+    NodeLabel,
+    PreparedResource,
+    begin_prepare,
+    finish_unprepare,
+)
 from computedomain.plugin.cleanup import Cleanup
 from computedomain.plugin.clique_label import NodeHardware, desired_label
 from computedomain.plugin.collaborators import DomainInfo
 from computedomain.plugin.domains import evaluate
-from computedomain.plugin.resourceslice import plan, published_devices, slice_name
+from computedomain.plugin.node_holder import RELEASE_SETTLE_S, NodeHolder
+from computedomain.plugin.resourceslice import Holding, plan, published_devices, slice_name
 from imex.discovery import Discovery, FabricNotReadyError, FabricState, GpuFabricInfo
 from imex.procfs import ProcFS
 from tests.testbed.fake_driver_root import write_proc_files
@@ -31,6 +41,138 @@ def test_devices_per_mode() -> None:
     assert [d.name for d in published_devices(host_managed=False, imex_supported=True)] == ["channel-0", "daemon-0"]
     assert [d.name for d in published_devices(host_managed=True, imex_supported=True)] == ["channel-0"]
     assert published_devices(host_managed=False, imex_supported=False) == ()
+
+
+def test_channel_places_follow_the_holder() -> None:
+    def names(**kwargs: Any) -> list[str]:
+        return [d.name for d in published_devices(imex_supported=True, channel_devices=3, **kwargs)]
+
+    # hostManaged: every place, always, all channel 0 and nobody's.
+    host = published_devices(host_managed=True, imex_supported=True, channel_devices=3)
+    assert [(d.name, d.id, d.holder) for d in host] == [
+        ("channel-0", 0, None),
+        ("channel-0-1", 0, None),
+        ("channel-0-2", 0, None),
+    ]
+    # driverManaged: free -> one device; held -> all places with the holder; draining -> channel-0, still its.
+    assert names(host_managed=False) == ["channel-0", "daemon-0"]
+    held = published_devices(host_managed=False, imex_supported=True, channel_devices=3, holding=Holding("D"))
+    assert [(d.name, d.holder) for d in held] == [
+        ("channel-0", "D"),
+        ("channel-0-1", "D"),
+        ("channel-0-2", "D"),
+        ("daemon-0", None),
+    ]
+    assert held[1].to_api()["attributes"] == {
+        "type": {"string": "channel"},
+        "id": {"int": 0},
+        "domain": {"string": "D"},
+    }
+    assert names(host_managed=False, holding=Holding("D", draining=True)) == ["channel-0", "daemon-0"]
+    # Channel isolation keeps its numbered places.
+    assert names(host_managed=True, isolated=True) == ["channel-0", "channel-1", "channel-2"]
+
+
+class _Publisher:
+    """Its ``informer.list()`` is the slice as the apiserver has what was set."""
+
+    def __init__(self) -> None:
+        self.devices: tuple[Any, ...] = ()
+        self.informer = self
+
+    def set_devices(self, devices: Any) -> None:
+        self.devices = tuple(devices)
+
+    def list(self) -> list[dict[str, Any]]:
+        return [{"spec": {"devices": [d.to_api() for d in self.devices]}}]
+
+
+class _Claims:
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.lists = 0
+
+    async def list_all(self, _resource: Any, *, namespace: str | None = None) -> Any:
+        self.lists += 1
+        return type("L", (), {"items": list(self.items)})()
+
+
+def _allocated(name: str, uid: str, pool: str = NODE) -> dict[str, Any]:
+    results = [{"driver": "compute-domain.nvidia.com", "pool": pool, "device": "channel-0-1", "request": "channel"}]
+    return {"metadata": {"name": name, "uid": uid}, "status": {"allocation": {"devices": {"results": results}}}}
+
+
+async def test_node_holder_drains_before_the_node_is_free(tmp_path: Path) -> None:
+    """held while the checkpoint has a live channel claim of D; then draining (channel-0 alone, D's) for the
+    settle time and while a claim of D is allocated here; then free, and the label left behind goes."""
+    clock = FakeClock()
+    domain = str(uuid.uuid4())
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    resource = PreparedResource(
+        kind="channel", domain_id=domain, channels=(0,), node_label=NodeLabel(key=COMPUTE_DOMAIN_LABEL, value=domain)
+    )
+    cp = begin_prepare(
+        Checkpoint(),
+        uid="c1",
+        namespace="ns",
+        name="w-0",
+        fingerprint="f",
+        resources=(resource,),
+        cdi_spec_files=(),
+        now=now,
+    )
+    state = {"cp": cp}
+    removed: list[str] = []
+    publisher, claims = _Publisher(), _Claims()
+
+    async def remove_label(uid: str) -> bool:
+        removed.append(uid)
+        return True
+
+    holder = NodeHolder(
+        claims,  # type: ignore[arg-type]
+        publisher,  # type: ignore[arg-type]
+        node_name=NODE,
+        read_checkpoint=lambda: state["cp"],
+        node_label=lambda: domain,
+        remove_label=remove_label,
+        domain_namespace=lambda uid: "ns",
+        devices=lambda holding: published_devices(
+            host_managed=False, imex_supported=True, channel_devices=4, holding=holding
+        ),
+        clock=clock,
+    )
+    assert await holder._reconcile("holder") == DONE
+    assert [d.holder for d in publisher.devices] == [domain] * 4 + [None]
+    state["cp"] = finish_unprepare(cp, "c1", now=now)
+    # An agent restarted now (its label gone with the last claim) drains on from what its slice says.
+    restarted = NodeHolder(
+        claims,  # type: ignore[arg-type]
+        publisher,  # type: ignore[arg-type]
+        node_name=NODE,
+        read_checkpoint=lambda: state["cp"],
+        node_label=lambda: None,
+        remove_label=remove_label,
+        domain_namespace=lambda uid: "ns",
+        devices=holder.devices,
+        clock=clock,
+    )
+    assert isinstance(await restarted._reconcile("holder"), RequeueAfter)
+    assert [(d.name, d.holder) for d in publisher.devices] == [("channel-0", domain), ("daemon-0", None)]
+    result = await holder._reconcile("holder")
+    assert isinstance(result, RequeueAfter) and result.seconds == RELEASE_SETTLE_S
+    assert [(d.name, d.holder) for d in publisher.devices] == [("channel-0", domain), ("daemon-0", None)]
+    assert claims.lists == 0 and not removed
+    # A pod of D that was scheduled on the slice of before: its claim keeps the node D's.
+    claims.items = [_allocated("w-1", "c2"), _allocated("w-0", "c1"), _allocated("elsewhere", "c3", pool="n2")]
+    await clock.advance(RELEASE_SETTLE_S)
+    assert isinstance(await holder._reconcile("holder"), RequeueAfter)
+    assert publisher.devices[0].holder == domain and not removed
+    claims.items = claims.items[1:]  # only the claim unprepared here and another node's are left
+    await clock.advance(RELEASE_SETTLE_S)
+    assert await holder._reconcile("holder") == DONE
+    assert [(d.name, d.holder) for d in publisher.devices] == [("channel-0", None), ("daemon-0", None)]
+    assert removed == [domain]
 
 
 def test_plan_creates_then_is_stable_then_repairs() -> None:
@@ -209,7 +351,7 @@ async def test_cleanup_undoes_stale_partial_prepares_and_orphans(tmp_path: Path)
     assert checkpoint.get(kept.uid).state is ClaimState.PREPARE_STARTED  # type: ignore[union-attr]
     assert checkpoint.get(gone_uid).state is ClaimState.PREPARE_ABORTED  # type: ignore[union-attr]
     assert set(bed.cdi.list_claims()) == {kept.uid}
-    assert bed.labels.labels == {}, "the stale claim's label goes (its value matched)"
+    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}, "kept: another live claim of the domain set it"
     # Next round: the tombstone expires (TTL 0 here).
     await asyncio.sleep(0.01)
     assert (await cleanup.run_once()).expired_tombstones == 1

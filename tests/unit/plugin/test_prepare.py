@@ -17,7 +17,9 @@ from computedomain.kube.clock import FakeClock
 from computedomain.plugin.checkpoint import ClaimState
 from computedomain.plugin.failures import RetryableError
 from computedomain.plugin.preparer import ClaimRef, ClaimUid
-from tests.unit.plugin.fakes import CLIQUE, NODE, Bed, channel_params, claim_status
+from computedomain.plugin.side_effects import WAIT_NOTICE_S
+from imex.host_check import HostImexNotReadyError, ImexState
+from tests.unit.plugin.fakes import CLIQUE, NODE, Bed, channel_params, claim_status, host_ready
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,6 +109,61 @@ async def test_prepare_waits_for_this_nodes_daemon(tmp_path: Path) -> None:
     bed.readiness.set_ready(cd.uid)
     result = (await asyncio.wait_for(task, 5))[ref.uid]
     assert result.ok
+
+
+async def test_a_waiting_claim_tells_its_pods_once_and_starts_when_ready(tmp_path: Path) -> None:
+    bed = fake_bed(tmp_path, budget_s=30)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd)
+    task = start(bed.preparer.prepare([ref]))
+    await fake(bed).advance(WAIT_NOTICE_S - 0.1)
+    assert bed.notices == [], "a daemon that turns ready quickly is not worth an Event"
+    await fake(bed).advance(0.2)
+    (notice,) = bed.notices
+    assert notice[0] == ref.name
+    assert notice[1].startswith(f"waiting for IMEX on node {NODE} (driverManaged): node {NODE} not ready in"), notice
+    await fake(bed).advance(10)
+    assert len(bed.notices) == 1 and not task.done(), "once, and the Prepare still waits"
+    bed.readiness.set_ready(cd.uid)
+    assert (await asyncio.wait_for(task, 5))[ref.uid].ok
+
+
+async def test_a_claim_whose_pod_is_deleted_while_it_waits_is_undone_at_once(tmp_path: Path) -> None:
+    bed = fake_bed(tmp_path, budget_s=30)
+    cd = bed.domains.add("team-a")
+    ref = bed.channel_claim(cd)
+    task = start(bed.preparer.prepare([ref]))
+    await fake(bed).advance(WAIT_NOTICE_S + 0.1)
+    assert bed.notices and bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+    bed.claims.delete(ref)
+
+    def undone() -> bool:
+        entry = bed.store.read().get(ref.uid)
+        return entry is not None and entry.state is ClaimState.PREPARE_ABORTED
+
+    await until("the waiting claim undone", undone)
+    assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
+    assert "unprepared while this Prepare ran" in (await asyncio.wait_for(task, 5))[ref.uid].error
+
+
+async def test_host_managed_waiting_claim_says_the_host_state_at_once(tmp_path: Path) -> None:
+    async def host_check() -> None:
+        # What the real check raises (imex.host_check), not the preparer's own error type.
+        raise HostImexNotReadyError(
+            "host nvidia-imex daemon not ready: state WAITING_FOR_PEERS",
+            state=ImexState.WAITING_FOR_PEERS,
+            output="WAITING_FOR_PEERS",
+            exit_code=0,
+        )
+
+    bed = fake_bed(tmp_path, host_managed=True, host_check=host_check, budget_s=5)
+    ref = bed.channel_claim(bed.domains.add("team-a"))
+    task = start(bed.preparer.prepare([ref]))
+    await until("the first host check", lambda: bool(bed.notices))
+    (notice,) = bed.notices
+    assert f"node {NODE} (hostManaged)" in notice[1] and "WAITING_FOR_PEERS" in notice[1], notice
+    await drive(bed, task)
+    assert len(bed.notices) == 1
 
 
 async def test_not_ready_within_budget_is_left_out(tmp_path: Path) -> None:
@@ -251,17 +308,35 @@ async def test_unprepare_cancels_a_waiting_prepare_without_leaks(tmp_path: Path)
     assert entry is not None and entry.state is ClaimState.PREPARE_ABORTED
 
 
-async def test_channel_still_held_by_another_claim_is_retryable(tmp_path: Path) -> None:
+async def test_claims_of_one_domain_share_channel_0_and_another_domain_waits(tmp_path: Path) -> None:
     bed = fake_bed(tmp_path, budget_s=0.5)
-    cd = bed.domains.add("team-a")
+    cd, other = bed.domains.add("team-a"), bed.domains.add("team-b")
     bed.readiness.set_ready(cd.uid)
-    first, second = bed.channel_claim(cd), bed.channel_claim(cd)
-    assert (await bed.preparer.prepare([first]))[first.uid].ok
-    error = (await drive(bed, start(bed.preparer.prepare([second]))))[second.uid].error
-    assert error.startswith("retryable error: "), "retryable until the first is unprepared"
+    bed.readiness.set_ready(other.uid)
+    first, second = bed.channel_claim(cd), bed.channel_claim(cd, device="channel-0-1")
+    results = await bed.preparer.prepare([first, second])
+    assert results[first.uid].ok and results[second.uid].ok, results
+    specs = bed.cdi.list_claims()
+    assert set(specs) == {first.uid, second.uid}
+    # Another domain's claim waits while this domain holds the node (the checkpoint's guard, then the label).
+    theirs = bed.channel_claim(other)
+    error = (await drive(bed, start(bed.preparer.prepare([theirs]))))[theirs.uid].error
+    assert error.startswith("retryable error: ") and "channel 0" in error, error
+    # The label goes with the domain's last claim, not its first.
     await bed.preparer.unprepare([first])
+    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+    await bed.preparer.unprepare([second])
+    assert bed.labels.labels == {}
     bed.set_budget(5)
-    assert (await bed.preparer.prepare([second]))[second.uid].ok
+    assert (await bed.preparer.prepare([theirs]))[theirs.uid].ok
+    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: other.uid}
+
+
+async def test_host_managed_domains_share_channel_0(tmp_path: Path) -> None:
+    bed = fake_bed(tmp_path, host_managed=True, host_check=host_ready)
+    refs = [bed.channel_claim(bed.domains.add(f"team-{i}"), device=f"channel-0-{i}") for i in (1, 2)]
+    results = await bed.preparer.prepare(refs)
+    assert all(r.ok for r in results.values()) and len(results) == 2, results
 
 
 async def test_no_clique_succeeds_without_injection(tmp_path: Path) -> None:

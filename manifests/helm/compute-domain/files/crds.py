@@ -8,7 +8,9 @@ reads the installed one and replaces its spec with the chart's (an update with t
 retried on a conflict); metadata, status and every stored object stay as they are. What the apiserver
 keeps safe: the spec must still serve every version recorded in `status.storedVersions`, or the update is
 refused; this script says so first, naming the versions, and changes nothing. A CRD that is not installed
-(`helm install --skip-crds`) is left alone. Exit 0 when every CRD is current, 1 otherwise (the install or
+(`helm install --skip-crds`) is left alone, and so is one whose annotation
+`compute-domain.nvidia.com/chart-version` names a newer chart than this one (a downgrade keeps the newer
+spec; the update writes this chart's version there). Exit 0 when every CRD is current, 1 otherwise (the install or
 upgrade then stops before anything else changed).
 """
 
@@ -21,6 +23,16 @@ from computedomain.kube.errors import Conflict, KubeError, NotFound
 
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", False, "CustomResourceDefinition")
 ATTEMPTS = 5
+# The chart version whose spec a CRD carries: an older chart (a downgrade) leaves a newer spec alone.
+VERSION_ANNOTATION = "compute-domain.nvidia.com/chart-version"
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    """`MAJOR.MINOR.PATCH` (a pre-release or build suffix ignored) as numbers; None when it is not one."""
+    parts = text.split("-", 1)[0].split("+", 1)[0].split(".")
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() and len(p) <= 9 for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
 
 
 def _summary(spec: dict) -> str:
@@ -32,8 +44,9 @@ def _summary(spec: dict) -> str:
     return f"short names {short}, {columns} printer columns, status.conditions {'yes' if conditions else 'no'}"
 
 
-async def bring_up_to_date(client: KubeClient, wanted: dict) -> bool:
+async def bring_up_to_date(client: KubeClient, wanted: dict, chart_version: str = "") -> bool:
     name = wanted["metadata"]["name"]
+    ours = _version(chart_version)
     served = {v["name"] for v in wanted["spec"]["versions"] if v.get("served")}
     for _ in range(ATTEMPTS):
         try:
@@ -50,8 +63,22 @@ async def bring_up_to_date(client: KubeClient, wanted: dict) -> bool:
                 flush=True,
             )
             return False
+        annotations = dict((current.get("metadata") or {}).get("annotations") or {})
+        theirs = _version(str(annotations.get(VERSION_ANNOTATION) or ""))
+        if ours is not None and theirs is not None and theirs > ours:
+            print(
+                f"crds: {name} is from chart {annotations[VERSION_ANNOTATION]}, newer than this chart "
+                f"({chart_version}); left alone",
+                flush=True,
+            )
+            return True
         before = _summary(current["spec"])
         body = {**current, "spec": wanted["spec"]}
+        if ours is not None:
+            body["metadata"] = {
+                **current["metadata"],
+                "annotations": {**annotations, VERSION_ANNOTATION: chart_version},
+            }
         try:
             updated = await client.replace(CRDS, body)
         except Conflict:
@@ -66,9 +93,13 @@ async def bring_up_to_date(client: KubeClient, wanted: dict) -> bool:
 
 
 async def main(argv: list[str]) -> int:
+    """argv: `--chart-version=X.Y.Z`, then one CRD (JSON) per argument."""
+    version = ""
+    if argv and argv[0].startswith("--chart-version="):
+        version, argv = argv[0].partition("=")[2], argv[1:]
     wanted = [json.loads(arg) for arg in argv]
     async with await KubeClient.connect() as client:
-        results = [await bring_up_to_date(client, crd) for crd in wanted]
+        results = [await bring_up_to_date(client, crd, version) for crd in wanted]
     return 0 if all(results) else 1
 
 

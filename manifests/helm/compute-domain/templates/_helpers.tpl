@@ -191,6 +191,14 @@ imagePullSecrets:
 {{- end -}}
 {{- end -}}
 
+{{/* A map as "KEY=VALUE," pairs in key order, values trimmed (IMEX_CONFIG_OVERRIDES, CD_DAEMON_RESOURCES: the
+     reference's form of resources.computeDomains.imex.config). */}}
+{{- define "cd.pairs" -}}
+{{- range $key, $value := . -}}
+{{- printf "%s=%s," (trim $key) (trim (toString $value)) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* "true"/"false" for a boolean value in any form Go's strconv.ParseBool reads (1, t, TRUE, ...) or any
      case of true/false; anything else as lower-case text (cd.validate refuses it). */}}
 {{- define "cd.bool" -}}

@@ -114,6 +114,56 @@ and compares the text with SettingsError's.
 {{- if or (lt (int $count) 2) (gt (int $count) 1048576) -}}
 {{- fail (printf "IMEX_CHANNEL_COUNT %s must be between 2 and 1048576 (channel 0 is reserved; the driver's default NVreg_ImexChannelCount is 2048) (values: resources.computeDomains.imex.channelCount)" (toString $count)) -}}
 {{- end -}}
+{{- /* IMEX config overrides (computedomain/settings.py parse_imex_config_overrides), in key order. */ -}}
+{{- $owned := dict "IMEX_CMD_BIND_INTERFACE_IP" "the pod IP, where the probes reach the command service" "IMEX_NODE_CONFIG_FILE" "the domain's nodes.cfg, which the daemon writes" "IMEX_CMD_ENABLED" "the probes need the command service" "IMEX_CMD_PORT" "the probes and the daemons' NetworkPolicy use 50005" "SERVER_PORT" "the peers and the daemons' NetworkPolicy use 50000" "DAEMONIZE" "the daemon supervises nvidia-imex in the foreground" -}}
+{{- $config := $imex.config | default dict -}}
+{{- if not (kindIs "map" $config) -}}
+{{- fail "resources.computeDomains.imex.config must be a map of nvidia-imex setting to value, e.g. {IMEX_NODE_DISCONNECTED_GRACE_TIME: \"60\"} (values: resources.computeDomains.imex.config)" -}}
+{{- end -}}
+{{- range $key, $value := $config -}}
+{{- $k := trim $key -}}{{- $text := trim (toString $value) -}}
+{{- $shown := printf "'%s'" ($k | replace "\\" "\\\\" | replace "'" "\\'" | replace "\r" "\\r" | replace "\n" "\\n") -}}
+{{- if regexMatch "[\r\n]" $k -}}
+{{- fail (printf "IMEX_CONFIG_OVERRIDES: key %s contains a newline; one key per setting (values: resources.computeDomains.imex.config)" $shown) -}}
+{{- end -}}
+{{- if regexMatch "[\r\n]" $text -}}
+{{- fail (printf "IMEX_CONFIG_OVERRIDES: the value of %s contains a newline; a value is one line (values: resources.computeDomains.imex.config.%s)" $shown $k) -}}
+{{- end -}}
+{{- if contains "," $text -}}
+{{- fail (printf "IMEX_CONFIG_OVERRIDES: the value of %s contains ','; the settings travel as KEY=VALUE,KEY=VALUE (values: resources.computeDomains.imex.config.%s)" $shown $k) -}}
+{{- end -}}
+{{- if not (regexMatch "^[A-Z][A-Z0-9_]{0,63}$" $k) -}}
+{{- fail (printf "IMEX_CONFIG_OVERRIDES: item %s must look like KEY=VALUE with an nvidia-imex setting name (upper case, digits, '_') as KEY, and no ',' in VALUE (values: resources.computeDomains.imex.config)" (include "cd.repr" (printf "%s=%s" $k $text))) -}}
+{{- end -}}
+{{- if hasKey $owned $k -}}
+{{- fail (printf "IMEX_CONFIG_OVERRIDES: %s is set by the service (%s); remove it (values: resources.computeDomains.imex.config.%s)" $k (index $owned $k) $k) -}}
+{{- end -}}
+{{- if or (gt (len $text) 1024) (regexMatch "[\\x00-\\x1f\\x7f]" $text) -}}
+{{- fail (printf "IMEX_CONFIG_OVERRIDES: the value of %s must be printable and at most 1024 characters (values: resources.computeDomains.imex.config.%s)" $k $k) -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (len $config) 64 -}}
+{{- fail (printf "IMEX_CONFIG_OVERRIDES: %d settings, at most 64 (values: resources.computeDomains.imex.config)" (len $config)) -}}
+{{- end -}}
+{{- /* The IMEX daemon pods' priority class and resources (controller settings). */ -}}
+{{- with toString (default "" $v.controller.priorityClassName) -}}
+{{- if not (regexMatch "^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$" .) -}}
+{{- fail (printf "CD_DAEMON_PRIORITY_CLASS_NAME %s is not a PriorityClass name (a lower-case DNS subdomain, e.g. system-node-critical) (values: controller.priorityClassName)" (include "cd.repr" .)) -}}
+{{- end -}}
+{{- end -}}
+{{- $daemonResources := $v.controller.daemonResources | default dict -}}
+{{- range $name, $value := $daemonResources -}}
+{{- $q := trim (toString $value) -}}
+{{- if not (has $name (list "cpu" "memory")) -}}
+{{- fail (printf "CD_DAEMON_RESOURCES: item %s must be cpu=QUANTITY or memory=QUANTITY (values: controller.daemonResources)" (include "cd.repr" (printf "%s=%s" $name $q))) -}}
+{{- end -}}
+{{- if not (and (regexMatch "^[0-9]{1,15}(\\.[0-9]{1,9})?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$" $q) (regexMatch "[1-9]" $q)) -}}
+{{- fail (printf "CD_DAEMON_RESOURCES: %s %s is not a positive quantity (e.g. 250m, 256Mi) (values: controller.daemonResources.%s)" $name (include "cd.repr" $q) $name) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $daemonResources (not (and (hasKey $daemonResources "cpu") (hasKey $daemonResources "memory"))) -}}
+{{- fail "CD_DAEMON_RESOURCES: set both cpu and memory (requests equal to limits: Guaranteed QoS), or neither (values: controller.daemonResources)" -}}
+{{- end -}}
 {{- $le := $v.controller.leaderElection -}}
 {{- $seconds := dict -}}
 {{- range $key, $env := dict "leaseDuration" "LEADER_ELECTION_LEASE_DURATION" "renewDeadline" "LEADER_ELECTION_RENEW_DEADLINE" "retryPeriod" "LEADER_ELECTION_RETRY_PERIOD" -}}

@@ -13,8 +13,8 @@ import pytest
 
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
 from computedomain.kube.clock import FakeClock
+from computedomain.kube.config import Credentials
 from computedomain.kube.informer import Informer
-from computedomain.kube.transport import Endpoint, Transport
 from computedomain.settings import load_settings
 from imex.daemon.check import CheckResult, check, is_ready_output, report
 from imex.daemon.probe import FRESH_S, SETTLE_EVERY_S, SETTLE_S, SharedCheck, serve_check, settled_check
@@ -103,7 +103,7 @@ async def test_the_daemon_answers_its_probes_with_the_check(tmp_path: Path) -> N
         port = s.getsockname()[1]
     daemon = settings(tmp_path, IMEX_CTL_BINARY=str(ctl), POD_IP="127.0.0.1", CHECK_PORT=str(port))
     peers: Informer[object] = Informer(
-        KubeClient(Transport(Endpoint("http", "127.0.0.1", 9))), COMPUTE_DOMAIN_CLIQUES, decode=lambda raw: raw
+        KubeClient(Credentials("http://127.0.0.1:9")), COMPUTE_DOMAIN_CLIQUES, decode=lambda raw: raw
     )
     clock = FakeClock()
     server = await serve_check(daemon, [peers], clock=clock)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
 
 from computedomain.api.models import ReadyStatus
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
+from imex.daemon.check import CheckResult
 from imex.daemon.readiness import ReadinessMirror, pod_status
 from imex.daemon.registration import CliqueBackend, Identity, Registry, pod_owner_reference
 from tests.unit.imex.daemon.fakes import FakeApi
@@ -38,7 +40,8 @@ def test_pod_status(obj: dict[str, Any] | None, want: ReadyStatus | None) -> Non
     assert pod_status(obj, "u1") == want
 
 
-async def test_mirror_writes_only_on_change(monkeypatch: pytest.MonkeyPatch) -> None:
+async def registered() -> tuple[FakeApi, Registry, Callable[[], str]]:
+    """A registered daemon's API, registry, and a reader of its entry's status."""
     api = FakeApi()
     cd = "1b4e28ba-2fa1-411d-8a1f-6ec5c1f3a8e2"
     registry = Registry(
@@ -50,14 +53,20 @@ async def test_mirror_writes_only_on_change(monkeypatch: pytest.MonkeyPatch) -> 
         rng=random.Random(0),
     )
     await registry.register()
-    mirror = ReadinessMirror(cast(KubeClient, api), registry, namespace="ns", pod_name="p", pod_uid="u1")
-    current: dict[str, Any] = {"pod": pod(ready="False")}
-    monkeypatch.setattr(mirror.informer, "get", lambda name, namespace=None: current["pod"])
 
     def status() -> str:
         obj = api.read(COMPUTE_DOMAIN_CLIQUES, "ns", f"{cd}.c.0")
         assert obj is not None
         return str(obj["daemons"][0]["status"])
+
+    return api, registry, status
+
+
+async def test_mirror_writes_only_on_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    api, registry, status = await registered()
+    mirror = ReadinessMirror(cast(KubeClient, api), registry, namespace="ns", pod_name="p", pod_uid="u1")
+    current: dict[str, Any] = {"pod": pod(ready="False")}
+    monkeypatch.setattr(mirror.informer, "get", lambda name, namespace=None: current["pod"])
 
     assert await mirror.mirror_once() is ReadyStatus.NOT_READY
     assert mirror.writes == 0  # registered NotReady already
@@ -72,3 +81,41 @@ async def test_mirror_writes_only_on_change(monkeypatch: pytest.MonkeyPatch) -> 
     current["pod"] = pod(uid="replacement")
     assert await mirror.mirror_once() is None
     assert mirror.writes == 2
+
+
+async def test_before_the_pods_first_ready_the_entry_follows_our_own_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    api, registry, status = await registered()
+    answers: list[CheckResult | Exception] = []
+
+    async def own_check() -> CheckResult:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    mirror = ReadinessMirror(
+        cast(KubeClient, api), registry, namespace="ns", pod_name="p", pod_uid="u1", own_check=own_check
+    )
+    current: dict[str, Any] = {"pod": pod(ready="False")}
+    monkeypatch.setattr(mirror.informer, "get", lambda name, namespace=None: current["pod"])
+
+    not_ready = CheckResult(False, "IMEX daemon not ready: state WAITING_FOR_PEERS")
+    answers[:] = [not_ready, OSError("ctl gone"), CheckResult(True, "READY")]
+    assert await mirror.early_once() is False and await mirror.mirror_once() is ReadyStatus.NOT_READY
+    assert await mirror.early_once() is False and await mirror.mirror_once() is ReadyStatus.NOT_READY
+    assert mirror.writes == 0
+    # IMEX is READY before the kubelet's startup probe asked: the entry is Ready now.
+    assert await mirror.early_once() is False and await mirror.mirror_once() is ReadyStatus.READY
+    assert status() == "Ready" and mirror.writes == 1
+    # ... and not ready again before that probe: NotReady again.
+    answers[:] = [not_ready, CheckResult(True, "READY")]
+    await mirror.early_once()
+    assert await mirror.mirror_once() is ReadyStatus.NOT_READY and status() == "NotReady"
+    await mirror.early_once()
+    assert await mirror.mirror_once() is ReadyStatus.READY and mirror.writes == 3
+    # The kubelet marks the pod Ready: from now on its condition alone decides, and the check is not asked.
+    current["pod"] = pod()
+    assert await mirror.mirror_once() is ReadyStatus.READY and mirror.writes == 3
+    assert await mirror.early_once() is True and answers == []
+    current["pod"] = pod(ready="False")
+    assert await mirror.mirror_once() is ReadyStatus.NOT_READY and status() == "NotReady"

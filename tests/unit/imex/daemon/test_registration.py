@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
 from computedomain.api.models import ReadyStatus
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, COMPUTE_DOMAINS, KubeClient
+from computedomain.kube.errors import Conflict
 from imex.daemon.registration import (
     CliqueBackend,
     DaemonEntry,
@@ -32,6 +33,7 @@ from imex.daemon.registration import (
     slot_preference,
 )
 from tests.unit.imex.daemon.fakes import FakeApi
+from tests.unit.jump_clock import JumpClock
 
 CD = "1b4e28ba-2fa1-411d-8a1f-6ec5c1f3a8e2"
 A = "cluster-a.0"
@@ -396,3 +398,38 @@ async def test_legacy_status_backend_refuses_a_recreated_domain_and_never_create
     )
     with pytest.raises(RegistrationError, match="was deleted"):
         await reg.register()
+
+
+class AlwaysConflicting(FakeApi):
+    """Every write is refused with a 409, as when another writer keeps changing the object."""
+
+    async def apply(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.conflicts += 1
+        raise Conflict("the object has been modified; please apply your changes to the latest version")
+
+
+async def test_a_write_that_keeps_conflicting_ends_after_max_attempts_with_growing_jittered_pauses() -> None:
+    """The first write is an unguarded apply (no pause after its conflict); the guarded, forced writes that
+    follow pause 10 ms doubling to 0.5 s, jittered 0.5x..1.5x; after max_attempts the error names the cause."""
+    seed = 7
+    print(f"seed={seed}")
+    api = AlwaysConflicting()
+    clock = JumpClock()
+    backend = CliqueBackend(namespace=NS, cd_uid=CD, clique_id=A)
+    reg = Registry(
+        cast(KubeClient, api),
+        backend,
+        Identity("n1", "10.0.0.1", A),
+        max_nodes=18,
+        owner=pod_owner_reference("pod-n1", "uid-n1"),
+        clock=clock,
+        rng=random.Random(seed),
+        max_attempts=10,
+    )
+    with pytest.raises(RegistrationError, match="after 10 attempts: the object has been modified"):
+        await reg.register()
+    assert api.conflicts == 10
+    assert clock.sleeps[0] == 0.0  # the unguarded apply is retried at once, as a forced one
+    bases = [min(0.5, 0.01 * 2 ** (n - 1)) for n in range(2, 10)]
+    assert len(clock.sleeps) == 9
+    assert all(0.5 * b <= s < 1.5 * b for s, b in zip(clock.sleeps[1:], bases, strict=True)), clock.sleeps
