@@ -481,14 +481,23 @@ async def _get(client: KubeClient, name: str, namespace: str) -> Raw | None:
 
 
 async def _cleanup(client: KubeClient, options: Options, within: float = 120.0) -> float:
-    """Delete the Job (with its pods) and the ComputeDomain, and wait until the domain is gone."""
+    """Delete the Job and the ComputeDomain, and wait until both are gone: the Job's foreground deletion
+    ends only after its pods are, so nothing of the run is left Terminating when this returns."""
     started = time.monotonic()
-    for resource, name in ((JOBS, options.name), (COMPUTE_DOMAINS, options.name)):
+    made = (JOBS, COMPUTE_DOMAINS)
+    for resource in made:
         with contextlib.suppress(NotFound):
-            await client.delete(resource, name, namespace=options.namespace, propagation_policy="Foreground")
+            await client.delete(resource, options.name, namespace=options.namespace, propagation_policy="Foreground")
+
+    async def exists(resource: Resource) -> bool:
+        try:
+            await client.get(resource, options.name, namespace=options.namespace)
+        except NotFound:
+            return False
+        return True
 
     async def gone() -> bool:
-        return await _get(client, options.name, options.namespace) is None
+        return not any([await exists(resource) for resource in made])
 
     await AsyncRetrying(
         wait=wait_fixed(0.5), stop=stop_after_delay(within), retry=retry_if_result(lambda done: not done)

@@ -416,13 +416,18 @@ class LocalCluster:
                         out[name] = int(line.split()[1]) / 1024
         return out
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
+        """kubectl against this cluster; one that has not returned after `timeout` seconds (a `delete --wait`
+        of an object no one finalizes waits for good) is killed and raises `subprocess.TimeoutExpired`."""
         result = subprocess.run(
             [str(self.root / "bin" / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
             capture_output=True,
             text=True,
             check=False,
             input=input,
+            timeout=timeout,
         )
         if check and result.returncode != 0:
             raise KubectlError(args, result.returncode, result.stderr)

@@ -418,7 +418,9 @@ class SimCluster:
             # Pods of ours left on deleted nodes would keep their namespaces Terminating.
             with contextlib.suppress(Exception):
                 for ns in (self.driver_ns, self.workload_ns):
-                    await self.akubectl("delete", "pods", "--all", "-n", ns, "--force", "--grace-period=0", check=False)
+                    await self.akubectl(
+                        "delete", "pods", "--all", "-n", ns, "--force", "--grace-period=0", "--wait=false", check=False
+                    )
                     await self.akubectl("delete", "namespace", ns, "--wait=false", check=False)
             await client.close()
         if self.host_imex is not None:

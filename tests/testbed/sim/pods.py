@@ -482,16 +482,7 @@ class PodWorker:
         except (UnsupportedPodError, RuntimeError, OSError) as exc:
             log.error("cannot run pod=%s: %s", self.key, exc)
         finally:
-            with contextlib.suppress(KubeError):
-                current = await self.runner.client.get(PODS, self.name, namespace=self.namespace)
-                finalizers = current["metadata"].get("finalizers") or []
-                if current["metadata"]["uid"] == self.uid and FINALIZER in finalizers:
-                    await self.runner.client.json_patch(
-                        PODS, self.name,
-                        [{"op": "test", "path": "/metadata/finalizers", "value": finalizers},
-                         {"op": "replace", "path": "/metadata/finalizers", "value": [f for f in finalizers if f != FINALIZER]}],
-                        namespace=self.namespace,
-                    )  # fmt: skip
+            await release_finalizer(self.runner.client, self.namespace, self.name, self.uid)
 
     async def _container(self, state: ContainerState) -> None:
         assert state.plan is not None
@@ -556,6 +547,29 @@ class PodWorker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.deleting.wait(), backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+
+async def release_finalizer(client: KubeClient, namespace: str, name: str, uid: str) -> None:
+    """Take our finalizer off pod `uid` if it still carries it; a concurrent change of its finalizers (the
+    patch's test fails) is read again, a few times."""
+    for _ in range(5):
+        try:
+            current = await client.get(PODS, name, namespace=namespace)
+            finalizers = current["metadata"].get("finalizers") or []
+            if current["metadata"]["uid"] != uid or FINALIZER not in finalizers:
+                return
+            await client.json_patch(
+                PODS, name,
+                [{"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+                 {"op": "replace", "path": "/metadata/finalizers", "value": [f for f in finalizers if f != FINALIZER]}],
+                namespace=namespace,
+            )  # fmt: skip
+            return
+        except NotFound:
+            return
+        except KubeError as exc:
+            log.warning("releasing the finalizer of pod=%s/%s: %s", namespace, name, exc)
+    log.error("pod=%s/%s keeps finalizer %s after 5 attempts", namespace, name, FINALIZER)
 
 
 class PodRunner:
@@ -685,6 +699,13 @@ class PodRunner:
                 await self.fork_server.wait()
         for task in list(self._background):
             task.cancel()
+        # A pod deleted while the runner stopped has no worker left to release it: without this sweep it
+        # would stay Terminating for good (and a `kubectl delete --wait` of it would never return).
+        with contextlib.suppress(KubeError):
+            for pod in (await self.client.list_all(PODS)).items:
+                meta = pod["metadata"]
+                if pod["spec"].get("nodeName") in self.topology.by_name and FINALIZER in (meta.get("finalizers") or ()):
+                    await release_finalizer(self.client, meta["namespace"], meta["name"], meta["uid"])
 
     # -- for tests
 
