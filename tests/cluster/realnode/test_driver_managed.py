@@ -269,6 +269,9 @@ def test_node_agent_token_is_bound_to_its_node_and_confined_to_it(real_nodes: Re
     assert slices, "the other node's ResourceSlice"
     victim = slices[0]
     victim["spec"]["devices"] = []
+    # Unconditional: a stale resourceVersion (the agent republishes its slice) would end in a Conflict before
+    # admission ever sees the write.
+    victim["metadata"].pop("resourceVersion", None)
     code, out = as_agent("replace", "-f", "-", stdin=json.dumps(victim))
     assert code != 0 and f"may only write ResourceSlices of its own node, not {other.name}" in out, out
     # Clique entries are the IMEX daemons' to write: the agent may only read them.
