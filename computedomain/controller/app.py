@@ -8,7 +8,8 @@ Concurrency model (one asyncio event loop, no threads):
   replica) and may end the process;
 * with leader election on, the ``LeaderElector`` task campaigns; standbys keep warm caches and write nothing.
   The leader's term runs the work queue (``WorkQueue[str]`` keyed by CD UID: deduplicated, never one key twice
-  at once, per-key backoff), ``WORKERS`` reconcile tasks and the orphan ``Sweeper``. Losing the lease cancels
+  at once, per-key backoff), ``WORKERS`` reconcile tasks, the orphan ``Sweeper`` and (driverManaged) the
+  node-label loop keyed by node name (``nodes.NodeLabeller``). Losing the lease cancels
   them and ends the process (exit 1), so every term starts from clean memory;
 * SIGTERM/SIGINT cancel the main task: the term's work stops, the Lease is released (a standby takes over at
   once), the process exits 0. SIGUSR2 writes every asyncio task's stack (and every thread's) to stderr;
@@ -33,6 +34,7 @@ from computedomain.controller import adoption, guard
 from computedomain.controller.caches import Caches
 from computedomain.controller.channel_assigner import ChannelAssigner
 from computedomain.controller.executor import Reconciler, Sweeper, Writer
+from computedomain.controller.nodes import NodeLabeller
 from computedomain.controller.report import DomainReporter
 from computedomain.http import HttpServer, start_http
 from computedomain.kube.client import KubeClient
@@ -50,6 +52,8 @@ log = logging.getLogger("computedomain.controller")
 QUEUE_NAME = "computedomain"
 CHANNEL_QUEUE_NAME = "imex-channels"
 CHANNEL_WORKERS = 4
+NODE_LABEL_QUEUE_NAME = "node-labels"
+NODE_LABEL_WORKERS = 4
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -165,6 +169,7 @@ class Controller:
         self.loop: Converger[str] | None = None
         self.sweeper: Sweeper | None = None
         self.channels: Converger[str] | None = None
+        self.labeller: Converger[str] | None = None
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """``/readyz``: caches synced, guard passed, and no cache refused (a 403 list or watch says which
@@ -260,12 +265,26 @@ class Controller:
             )
             caches.add_channel_handlers(assigner.add)
         self.channels = assigner
+        labeller: Converger[str] | None = None
+        if not s.host_managed:
+            # Keyed by node: the CD label follows the channel claims allocated there (``nodes``). Every input
+            # is watched, so no periodic pass: a node is looked at when a claim, its label or a domain changes.
+            labeller = Converger(
+                NODE_LABEL_QUEUE_NAME,
+                NodeLabeller(writer, request_sweep=sweeper.request).reconcile,
+                workers=NODE_LABEL_WORKERS,
+                retries=retries,
+            )
+            caches.add_node_handlers(labeller.add)
+        self.labeller = labeller
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(sweeper.run(), name="orphan-sweeper")
                 tg.create_task(loop.run(), name="workers")
                 if assigner is not None:
                     tg.create_task(assigner.run(), name="imex-channels")
+                if labeller is not None:
+                    tg.create_task(labeller.run(), name="node-labels")
         finally:
             self.leading = False
 

@@ -8,6 +8,7 @@
 | ResourceClaimTemplates | all namespaces (workload templates live in the CDs' namespaces) | CD label exists | label value |
 | Nodes | cluster | CD label exists | label value |
 | daemon Pods (driverManaged) | each managed namespace | CD label exists | label value |
+| ResourceClaims (driverManaged) | all namespaces (a domain's pods' claims live in its namespace) | none | domain of the channel config; ``node``: nodes of the channel devices allocated |
 | ComputeDomainCliques (driverManaged with the gate; hostManaged with channel isolation) | each managed namespace | none | label, else name prefix; ``clique``: name suffix |
 | channel locks: Leases (channel isolation) | the driver namespace | clique label exists | ``clique``: label value |
 
@@ -31,9 +32,11 @@ from computedomain.controller.channels import CliqueSpace, Lock
 from computedomain.controller.observed import (
     Child,
     ChildKind,
+    ClaimView,
     NodeView,
     Observed,
     PodView,
+    decode_claim,
     decode_daemonset,
     decode_network_policy,
     decode_node,
@@ -49,6 +52,7 @@ from computedomain.kube.client import (
     NODES,
     PODS,
     RESOURCE_CLAIM_TEMPLATES,
+    RESOURCE_CLAIMS,
     KubeClient,
     Raw,
     Resource,
@@ -61,9 +65,10 @@ T = TypeVar("T", Child, PodView)
 OVERLAY_TTL = 60.0
 CD_INDEX = "cd"
 CLIQUE_INDEX = "clique"
+NODE_INDEX = "node"
 
 
-def _cd_label(obj: Child | NodeView | PodView) -> list[str]:
+def _cd_label(obj: Child | NodeView | PodView | ClaimView) -> list[str]:
     return [obj.cd_uid] if obj.cd_uid else []
 
 
@@ -105,8 +110,19 @@ class Caches:
         self.pods: list[Informer[PodView]] = []
         self.cliques: list[Informer[ComputeDomainClique]] = []
         self.locks: Informer[Lock] | None = None
+        self.claims: Informer[ClaimView] | None = None
         if not settings.host_managed:
             self.pods = self._labelled(client, PODS, decode_pod)
+            # Every claim, projected to a few strings: which domain's channel is allocated on which nodes
+            # (the node labeller, ``nodes``). Another driver's claims cost a key and an empty view each.
+            self.claims = Informer(
+                client,
+                RESOURCE_CLAIMS,
+                namespace=cd_namespace,
+                decode=decode_claim,
+                name="resourceclaims",
+                indexers={CD_INDEX: _cd_label, NODE_INDEX: lambda c: sorted(c.nodes)},
+            )
         if settings.channel_isolation or (
             not settings.host_managed and settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES)
         ):
@@ -166,6 +182,7 @@ class Caches:
             *self.pods,
             *self.cliques,
             *([self.locks] if self.locks is not None else []),
+            *([self.claims] if self.claims is not None else []),
         ]
 
     async def wait_synced(self, within: float | None = None) -> None:
@@ -223,6 +240,10 @@ class Caches:
         if uid is None:
             return [c for i in informers for c in i.list()]
         return [c for i in informers for c in i.by_index(CD_INDEX, uid)]
+
+    def claims_on(self, node: str) -> list[ClaimView]:
+        """Channel claims of any domain with a device allocated on ``node`` (driverManaged)."""
+        return self.claims.by_index(NODE_INDEX, node) if self.claims is not None else []
 
     def all_cliques(self) -> list[ComputeDomainClique]:
         return [c for i in self.cliques for c in i.list()]
@@ -291,6 +312,38 @@ class Caches:
                 on_update=lambda _o, n: _route(n.domain_uid, on_uid),
                 on_delete=lambda c: _route(c.domain_uid, on_uid),
             )
+
+    def add_node_handlers(self, on_node: Callable[[str], None]) -> None:
+        """Route what changes a node's CD label to ``on_node(name)``: the channel claims allocated there, the
+        node's label, and the domains of both (a domain that appears or begins its teardown)."""
+
+        def nodes_of(*claims: ClaimView) -> None:
+            for name in sorted({n for c in claims for n in c.nodes}):
+                on_node(name)
+
+        def cd_event(cd: ComputeDomain) -> None:
+            if self.claims is not None:
+                nodes_of(*self.claims.by_index(CD_INDEX, cd.uid))
+            for node in self.nodes.by_index(CD_INDEX, cd.uid):
+                on_node(node.name)
+
+        if self.claims is not None:
+            self.claims.add_handler(
+                on_add=nodes_of,
+                on_update=lambda old, new: nodes_of(old, new) if old != new else None,
+                on_delete=nodes_of,
+            )
+
+        def teardown_began(old: ComputeDomain, new: ComputeDomain) -> None:
+            if (old.metadata.deletion_timestamp is None) != (new.metadata.deletion_timestamp is None):
+                cd_event(new)
+
+        self.cds.add_handler(on_add=cd_event, on_update=teardown_began, on_delete=cd_event)
+        self.nodes.add_handler(
+            on_add=lambda n: on_node(n.name),
+            on_update=lambda old, new: on_node(new.name) if old.cd_uid != new.cd_uid else None,
+            on_delete=lambda n: on_node(n.name),
+        )
 
     def add_channel_handlers(self, on_clique: Callable[[str], None]) -> None:
         """Route what changes a clique's channels to ``on_clique(cliqueID)``: its records and locks, and the

@@ -217,6 +217,25 @@ class Writer:
             await self.client.json_patch(NODES, node.name, nodes.unlabel_patch(node))
         return Gone()
 
+    async def label_node(self, name: str, *, expect: str | None, value: str | None) -> bool:
+        """Change the CD label of node ``name`` from ``expect`` to ``value`` (None: absent): read the node, then
+        a merge patch with the resourceVersion read (``Conflict`` if it changed in between). False when the
+        label was neither: it changed since the caches showed it, decide again."""
+        try:
+            raw = await self.client.get(NODES, name)
+        except NotFound:
+            return True
+        meta = raw.get("metadata") or {}
+        current = (meta.get("labels") or {}).get(COMPUTE_DOMAIN_LABEL)
+        if current == value:
+            return True
+        if current != expect:
+            return False
+        patch = {"metadata": {"resourceVersion": meta.get("resourceVersion"), "labels": {COMPUTE_DOMAIN_LABEL: value}}}
+        with contextlib.suppress(NotFound):
+            await self.client.merge_patch(NODES, name, patch)
+        return True
+
     async def write_status(self, cd: ComputeDomain, new: ComputeDomainStatus) -> ComputeDomain:
         """PUT the status subresource with the resourceVersion ``cd`` was read at (``Conflict`` if stale)."""
         body = {

@@ -16,6 +16,7 @@ from computedomain.api.constants import (
     CLIQUE_LABEL,
     COMPUTE_DOMAIN_FINALIZER,
     COMPUTE_DOMAIN_LABEL,
+    DRIVER_NAME,
     TEMPLATE_TARGET_DAEMON,
     TEMPLATE_TARGET_LABEL,
     TEMPLATE_TARGET_WORKLOAD,
@@ -233,6 +234,49 @@ class NodeView:
     cd_uid: str  # value of the CD label; "" if absent
     # Why the node is not Ready ("Ready=Unknown since ...: NodeStatusUnknown"); "" while it is, or unknown.
     lost: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimView:
+    """A ResourceClaim as the node labeller reads it: the domain of its channel config and the nodes whose
+    channel devices of ours are allocated to it. ``cd_uid`` is "" for any other claim (another driver's, a
+    daemon claim, a channel claim not allocated yet, or one whose configs name several domains, which Prepare
+    refuses anyway): such a claim brings no domain to a node."""
+
+    namespace: str
+    name: str
+    cd_uid: str
+    nodes: frozenset[str]
+
+
+def decode_claim(raw: Raw) -> ClaimView:
+    meta = _meta(raw)
+    allocation = (raw.get("status") or {}).get("allocation") or {}
+    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    devices = devices if isinstance(devices, Mapping) else {}
+    # A pool of ours is named after its node (the node agent's admission policy binds the two).
+    nodes = frozenset(
+        str(r.get("pool") or "")
+        for r in devices.get("results") or ()
+        if isinstance(r, Mapping)
+        and r.get("driver") == DRIVER_NAME
+        and str(r.get("device") or "").startswith("channel-")
+    )
+    domains = set()
+    for config in devices.get("config") or ():
+        opaque = config.get("opaque") if isinstance(config, Mapping) else None
+        params = (
+            opaque.get("parameters") if isinstance(opaque, Mapping) and opaque.get("driver") == DRIVER_NAME else None
+        )
+        if isinstance(params, Mapping) and params.get("kind") == "ComputeDomainChannelConfig":
+            domains.add(str(params.get("domainID") or ""))
+    cd_uid = next(iter(domains)) if len(domains) == 1 and nodes - {""} else ""
+    return ClaimView(
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta.get("name") or ""),
+        cd_uid=cd_uid,
+        nodes=nodes - {""} if cd_uid else frozenset(),
+    )
 
 
 def decode_node(raw: Raw) -> NodeView:

@@ -244,9 +244,6 @@ class NodeAgent:
         await self.holder.publisher.informer.has_synced()
         await self.holder.run()
 
-    async def _remove_domain_label(self, uid: str) -> bool:
-        return await self.labels.remove_label_if(COMPUTE_DOMAIN_LABEL, uid)
-
     def informers(self) -> list[Informer[Any]]:
         slices = [self.publisher.informer] if self.publisher is not None else []
         records = [self.channels.informer] if self.channels is not None else []
@@ -322,7 +319,6 @@ class NodeAgent:
                 node_name=settings.node_name,
                 read_checkpoint=self.store.read,
                 node_label=lambda: self.labels.cached(COMPUTE_DOMAIN_LABEL),
-                remove_label=self._remove_domain_label,
                 domain_namespace=self._domain_namespace,
                 devices=self._devices,
                 retries=self.retries,

@@ -6,8 +6,8 @@ One round (`Cleanup.run_once`), never concurrent with itself:
 1. expire tombstones older than their TTL (`checkpoint.expire_tombstones`);
 2. for every `PrepareStarted` entry (a Prepare that crashed, timed out and was never retried, or was
    invalidated by a reboot) whose ResourceClaim is gone or was replaced by another claim of the same name:
-   run the normal Unprepare for it, which removes the node label it may have set and its CDI spec, and
-   leaves a tombstone. Entries whose claim still exists are left alone: the kubelet will retry or
+   run the normal Unprepare for it, which removes its CDI spec and its channel record entry and leaves a
+   tombstone. Entries whose claim still exists are left alone: the kubelet will retry or
    unprepare them. `PrepareCompleted` entries are never touched here; only the kubelet's Unprepare ends
    them (a running workload must keep its channel even while the API server is unreachable);
 3. CDI spec files of ours that no live checkpoint entry lists (a crash between writing the spec and

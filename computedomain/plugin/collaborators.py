@@ -2,7 +2,8 @@
 that ``app`` injects (Kubernetes-backed in the agent, in-memory in unit tests and benchmarks).
 
 Reads: the claim (``ClaimReader``, one live GET), the ComputeDomain (``DomainLookup``), the node's
-hardware (``Hardware``). Side effects: the node's CD label (``NodeLabeler``), the wait for this node's
+hardware (``Hardware``), the node's CD label (``NodeLabeler``: another domain's is refused). Side effects:
+the wait for this node's
 daemon (``DaemonReadiness``), the host IMEX check of hostManaged mode (``HostCheck``), and with channel
 isolation the domain's channel in this node's clique (``ChannelAssignments``).
 """
@@ -84,12 +85,9 @@ class DomainLookup(Protocol):
 
 
 class NodeLabeler(Protocol):
-    async def ensure_label(self, key: str, value: str) -> None:
-        """Set key=value on this node; LabelConflictError if key already has another value."""
-        ...
-
-    async def remove_label_if(self, key: str, value: str) -> bool:
-        """Remove key from this node only while it has value; True when removed."""
+    async def check_label(self, key: str, value: str) -> None:
+        """LabelConflictError while this node's label ``key`` has another value than ``value`` (absent is
+        fine: the controller sets the CD label)."""
         ...
 
 

@@ -16,15 +16,16 @@ keeps it so from what the ResourceSlice says (``resourceslice.published_devices`
 
 The holder is the domain of the live channel claims in the checkpoint (a claim's ``PrepareStarted`` makes
 it so before any side effect); without any, the last holder drains: the one this process saw, else the one
-this node's ComputeDomain label or its published slice names (an agent restarted meanwhile), and its label
-goes before the node turns free. Prepare and Unprepare wake the loop; the settle time re-adds the key.
+this node's ComputeDomain label or its published slice names (an agent restarted meanwhile). The label
+itself is the controller's, which removes it once no claim of the domain is allocated here (the same fact
+the drain waits for). Prepare and Unprepare wake the loop; the settle time re-adds the key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from computedomain.api.constants import DRIVER_NAME, HOLDER_ATTRIBUTE
@@ -82,7 +83,6 @@ class NodeHolder:
         node_name: str,
         read_checkpoint: Callable[[], Checkpoint],
         node_label: Callable[[], str | None],
-        remove_label: Callable[[str], Awaitable[object]],
         domain_namespace: Callable[[str], str | None],
         devices: Callable[[Holding | None], Sequence[Device]],
         clock: Clock | None = None,
@@ -94,7 +94,6 @@ class NodeHolder:
         self.node_name = node_name
         self.read_checkpoint = read_checkpoint
         self.node_label = node_label
-        self.remove_label = remove_label
         self.domain_namespace = domain_namespace
         self.devices = devices
         self.clock: Clock = clock or MonotonicClock()
@@ -153,8 +152,6 @@ class NodeHolder:
             if waiting:
                 log.debug("node holder: claims of %s allocated here, still draining claims=%s", last, waiting)
                 return RequeueAfter(self.settle_s)
-        # Two last Unprepares at once each see the other's claim and keep the label: it goes here at the latest.
-        await self.remove_label(last)
         self._drain_since = None
         self._set(None)
         return DONE

@@ -1,34 +1,27 @@
-"""Labels on this node: the ComputeDomain label (`resource.nvidia.com/computeDomain=<cd uid>`) that pulls the
-domain's IMEX daemon onto the node, and the `nvidia.com/gpu.clique` topology label.
+"""Labels on this node: the `nvidia.com/gpu.clique` topology label, which the node agent maintains, and the
+ComputeDomain label (`resource.nvidia.com/computeDomain=<cd uid>`), which it only reads: the controller
+derives that one from the channel claims allocated here (`computedomain.controller.nodes`), and the node
+agent's admission policy refuses any change of it by the agent.
 
 Writes are JSON merge patches of `metadata.labels` only (never a full Node update, which could overwrite
-other writers' fields). The CD label is written conditionally, with the resourceVersion that was read, so
-"add only if absent" and "remove only while it still has our value" hold against concurrent writers (the
-controller's orphan sweep, another node agent during an upgrade); a conflict re-reads and decides again
-(``computedomain.retry.again_on``, at most five attempts).
+other writers' fields).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, Final, TypeVar
+from typing import Any
 
 from computedomain.kube.client import NODES, KubeClient, Raw
-from computedomain.kube.errors import Conflict
 from computedomain.kube.informer import Informer
 from computedomain.plugin.failures import LabelConflictError
-from computedomain.retry import again_on
 
 log = logging.getLogger(__name__)
 
-_MAX_CONFLICTS: Final = 5
-T = TypeVar("T")
-
 
 class NodeLabels:
-    """`collaborators.NodeLabeler` for one node. With `informer` (a watch of this Node), a label that is already in
-    place costs no request; every write and every removal decision still reads the Node live."""
+    """`collaborators.NodeLabeler` for one node. With `informer` (a watch of this Node), a check that passes
+    costs no request; a refusal and every write read the Node live."""
 
     def __init__(self, client: KubeClient, node_name: str, informer: Informer[Raw] | None = None) -> None:
         self._client = client
@@ -44,59 +37,26 @@ class NodeLabels:
         value = labels.get(key)
         return str(value) if value is not None else None
 
-    async def _read(self) -> tuple[dict[str, str], str]:
+    async def _read(self) -> dict[str, str]:
         node: dict[str, Any] = await self._client.get(NODES, self.node_name)
-        meta = node.get("metadata") or {}
-        return dict(meta.get("labels") or {}), str(meta.get("resourceVersion") or "")
+        return dict((node.get("metadata") or {}).get("labels") or {})
 
-    async def _patch(self, labels: dict[str, str | None], resource_version: str | None) -> None:
-        meta: dict[str, Any] = {"labels": labels}
-        if resource_version:
-            meta["resourceVersion"] = resource_version
-        await self._client.merge_patch(NODES, self.node_name, {"metadata": meta})
-
-    async def ensure_label(self, key: str, value: str) -> None:
-        if self.cached(key) == value:
-            return  # the daemon of this domain runs here already: the common case of a Prepare
-
-        async def once() -> None:
-            labels, rv = await self._read()
-            current = labels.get(key)
-            if current == value:
-                return
-            if current is not None:
-                raise LabelConflictError(
-                    f"node {self.node_name} carries {key}={current} of another ComputeDomain; a node serves one "
-                    "ComputeDomain at a time, waiting for that domain's claim to be unprepared"
-                )
-            await self._patch({key: value}, rv)
-            log.info("labelled node node=%s %s=%s", self.node_name, key, value)
-
-        await self._again_on_conflict(key, once)
-
-    async def remove_label_if(self, key: str, value: str) -> bool:
-        async def once() -> bool:
-            labels, rv = await self._read()
-            if labels.get(key) != value:
-                return False
-            await self._patch({key: None}, rv)
-            return True
-
-        return await self._again_on_conflict(key, once)
-
-    async def _again_on_conflict(self, key: str, attempt: Callable[[], Awaitable[T]]) -> T:
-        """``attempt`` (read, decide, write with the resourceVersion read) again after a 409, a few times."""
-        try:
-            return await again_on(_MAX_CONFLICTS, Conflict)(attempt)
-        except Conflict:
+    async def check_label(self, key: str, value: str) -> None:
+        """LabelConflictError while this node's ``key`` names another value (read live before refusing: the
+        watch may lag). Absent is fine: the controller sets it once a claim is allocated here."""
+        if self.informer is not None and self.informer.synced and self.cached(key) in (None, value):
+            return  # the common case of a Prepare: no request
+        current = (await self._read()).get(key)
+        if current is not None and current != value:
             raise LabelConflictError(
-                f"node {self.node_name}: label {key} kept changing under us ({_MAX_CONFLICTS} conflicts)"
-            ) from None
+                f"node {self.node_name} carries {key}={current} of another ComputeDomain; a node serves one "
+                "ComputeDomain at a time, waiting for that domain's claims here to end (the controller then moves "
+                "the label)"
+            )
 
     async def set_label(self, key: str, value: str | None) -> bool:
         """Make key=value (None: absent), unconditionally. Returns whether a write was needed."""
-        labels, _ = await self._read()
-        if labels.get(key) == value:
+        if (await self._read()).get(key) == value:
             return False
-        await self._patch({key: value}, None)
+        await self._client.merge_patch(NODES, self.node_name, {"metadata": {"labels": {key: value}}})
         return True

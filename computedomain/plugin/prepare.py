@@ -6,7 +6,7 @@ Read the units in this order; each is small and does one job:
    memory in tests and benchmarks);
 2. `failures`: what can go wrong, and whether another attempt can help;
 3. `claim_plan`: every check that needs no side effect, and the plan (undo record, channels to inject);
-4. `side_effects`: what is done on the node per device (label, readiness wait, host check, `/imexd`);
+4. `side_effects`: what is done on the node per device (label check, readiness wait, host check, `/imexd`);
    with channel isolation, `channels` first makes the claim a holder of its domain's channel;
 5. `budget`: attempts and backoff within the kubelet's deadline, and what the kubelet gets when it ends;
 6. this module: the order of one attempt around the checkpoint, one attempt per claim at a time, and
@@ -21,8 +21,9 @@ devices returned to the kubelet. A crash at any point leaves an entry that says 
 
 Unprepare works from the checkpoint alone: it never fetches the claim or the CD and never validates
 configs. It cancels a Prepare of the same claim still running in this process, undoes what the entry lists
-(label only while it still has our value; CDI spec files; the claim's entry in its domain's channel record,
-best effort, which the cleanup finishes), and leaves a tombstone.
+(CDI spec files; the claim's entry in its domain's channel record, best effort, which the cleanup
+finishes), and leaves a tombstone. The node's CD label is the controller's: it goes once no claim of the
+domain is allocated here.
 
 A claim that waits for IMEX says so once, as a Warning Event `WaitingForIMEX` on each pod it is reserved
 for (node, mode, what was seen), and keeps waiting; from then on its claim is watched, and once the claim is
@@ -158,7 +159,6 @@ class Preparer:
         self.run_blocking = run_blocking
         self.store = store
         self.cdi = cdi_dir
-        self.labels = labels
         self.channels = channels
         self.hardware = hardware
         self.clock: Clock = clock or MonotonicClock()
@@ -423,13 +423,6 @@ class Preparer:
             return None
         for spec_file in entry.cdi_spec_files:
             await self.run_blocking(self.cdi.remove_recorded, spec_file)
-        for resource in entry.resources:
-            label = resource.node_label
-            # Several claims of the domain may be prepared here: its label goes with the last of them.
-            if label is not None and not _label_kept(checkpoint, uid, label.key, label.value):
-                removed = await self.labels.remove_label_if(label.key, label.value)
-                if removed:
-                    log.info("removed node label %s=%s claim=%s", label.key, label.value, uid)
         await self._release_channels(uid, entry)
         await self._update(lambda cp: (finish_unprepare(cp, uid, now=self._now()), None))
         self.on_change()
@@ -481,16 +474,6 @@ class Preparer:
                     if held and await self.channels.hold(resource.domain_id, str(resource.clique_id), uid):
                         relisted.append(uid)
         return relisted
-
-
-def _label_kept(cp: Checkpoint, uid: str, key: str, value: str) -> bool:
-    """Another live claim on this node set the same label."""
-    return any(
-        r.node_label is not None and r.node_label.key == key and r.node_label.value == value
-        for e in cp.claims.values()
-        if e.uid != uid and not e.state.is_tombstone
-        for r in e.resources
-    )
 
 
 def _to_prepared(device: CheckpointDevice) -> PreparedDevice:

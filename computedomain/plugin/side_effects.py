@@ -1,12 +1,13 @@
 """Step two of Prepare: what is done on the node for one planned device, once ``PrepareStarted`` (with the
 undo record) is in the checkpoint. Every step is idempotent, so a retried or resumed Prepare repeats it.
 
-* driverManaged channel: label the node with the domain's UID (that is what brings the domain's IMEX daemon
-  here; another domain's label is a retryable conflict), then wait for **this node's** daemon entry to be
-  Ready (watch-driven, until just before the budget ends), then the channel device nodes to inject;
+* driverManaged channel: the node's CD label must not name another domain (a retryable conflict; the
+  controller labels the node with the domain's UID as soon as the claim is allocated here, which is what
+  brings the domain's IMEX daemon), then wait for **this node's** daemon entry to be Ready (watch-driven,
+  until just before the budget ends), then the channel device nodes to inject;
 * hostManaged channel: the host IMEX check (``nvidia-imex-ctl -q`` chrooted into the driver root, exact
   ``READY``), then channel 0; no label, no wait;
-* a node without an NVLink clique gets no channel device: nothing to label-wait for, nothing to inject;
+* a node without an NVLink clique gets no channel device: no daemon to wait for, nothing to inject;
 * daemon: the per-domain config directory (mounted at ``/imexd``), the domain's identity as env, and the
   ``fabric-imex-mgmt`` capability device on fabric nodes.
 
@@ -85,7 +86,7 @@ class SideEffects:
         else:
             label = device.resource.node_label
             assert label is not None
-            await self.labels.ensure_label(label.key, label.value)
+            await self.labels.check_label(label.key, label.value)
             if clique:
                 remaining = deadline - self.clock.now() - READINESS_MARGIN_S
                 first = min(WAIT_NOTICE_S, remaining)

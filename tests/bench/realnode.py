@@ -9,9 +9,9 @@ simulator chrooted into each node's driver root). Per round, on the first node, 
 - pod create -> Running of a pod without a claim, of the same pod with a channel claim of a domain that
   exists (its template is there), and of a further pod of that domain on the node beside it (design note
   0014); the ratios of their medians to the pod without a claim are the cost of the claim. In driverManaged
-  mode the claim's Prepare labels the node, which brings the domain's IMEX daemon there, and returns once
-  that daemon's entry is Ready: each sample starts on a node without the daemon (the previous one is gone),
-  as a job's first pod on a node does. In hostManaged mode it runs the chrooted `nvidia-imex-ctl -q`.
+  mode the controller labels the node once the claim is allocated there, which brings the domain's IMEX
+  daemon, and the claim's Prepare returns once that daemon's entry is Ready: each sample starts on a node
+  without the daemon (the previous one is gone), as a job's first pod on a node does. In hostManaged mode it runs the chrooted `nvidia-imex-ctl -q`.
 - the node agent's Prepare and Unprepare of that claim, from its own `nvidia_dra_request_duration_seconds`
   (scraped through the apiserver's pod proxy before and after each call: a sample is taken only where
   exactly one call happened in between, so it is that call's duration; driverManaged's daemon claim gets a
@@ -295,7 +295,7 @@ STEPS = {
     "driverManaged": (
         ("allocated", "its claim allocated"),
         ("bound", "pod bound to the node"),
-        ("labelled", "node labelled with the domain (the agent's Prepare began)"),
+        ("labelled", "node labelled with the domain (the controller saw the allocation)"),
         ("daemon-created", "IMEX daemon pod created (DaemonSet)"),
         ("daemon-bound", "IMEX daemon pod bound"),
         ("daemon-running", "IMEX daemon pod Running"),

@@ -26,6 +26,7 @@ from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
 from computedomain.controller.app import Controller
 from computedomain.kube.client import KubeClient
 from computedomain.settings import ControllerSettings, load_settings
+from tests.cluster.claims import allocated_claim
 from tests.conftest import REPO, Cluster
 
 T = TypeVar("T")
@@ -144,6 +145,10 @@ class Harness:
         }
         self.cluster.apply(pod, ns)
         return name
+
+    def allocated_claim(self, cd_uid: str, node: str, *, name: str | None = None) -> str:
+        """A channel claim of the domain in its namespace, ``channel-0`` of ``node`` allocated (``claims``)."""
+        return allocated_claim(self.cluster, self.cd_ns, cd_uid, node, name=name)
 
     def restricted_kubeconfig(self, *, without: tuple[str, str]) -> Path:
         """Credentials of a ServiceAccount with the chart's controller RBAC (``manifests/base``) minus one

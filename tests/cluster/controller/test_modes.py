@@ -92,8 +92,8 @@ async def test_a_domain_missing_from_a_lagging_cache_is_not_deleted(harness: Har
         uid = h.create_cd("delta")["metadata"]["uid"]
         await eventually(lambda: len(children_of(h, uid)["resourceclaimtemplates"]) == 2 or None, what="children")
         node = make_node(clique="c0ffee.2")["metadata"]["name"]
-        h.kubectl("label", "node", node, f"{COMPUTE_DOMAIN_LABEL}={uid}")
-        await eventually(lambda: ctl.caches.nodes.get(node), what="node in cache")
+        h.allocated_claim(uid, node)  # the controller labels the node for it
+        await eventually(lambda: ctl.caches.nodes.get(node), what="node labelled and in cache")
         # Make the CD cache lag: it "forgets" the domain, as if its ADDED event had not arrived yet.
         ctl.caches.cds._remove(f"{h.cd_ns}/delta")
         assert ctl.caches.cd(uid) is None

@@ -202,8 +202,9 @@ async def test_a_lost_node(harness: Harness, make_node: MakeNode) -> None:
     async with h.controller():
         cd = h.create_cd("lost", num_nodes=2)
         uid = cd["metadata"]["uid"]
-        nodes = [make_node(clique="c0ffee.7", labels={COMPUTE_DOMAIN_LABEL: uid})["metadata"]["name"] for _ in range(2)]
+        nodes = [make_node(clique="c0ffee.7")["metadata"]["name"] for _ in range(2)]
         for node in nodes:
+            h.allocated_claim(uid, node)  # the controller labels the node for it
             h.daemon_pod(uid, node, "c0ffee.7")
         h.cluster.apply(
             {

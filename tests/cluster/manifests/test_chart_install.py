@@ -212,13 +212,20 @@ def test_node_agent_writes_only_its_own_node(
             assert code != 0 and f"may only write ResourceSlices of its own node, not {other}" in out, out
             code, out = run(who, "create", "-f", "-", body=_slice(mine, driver="gpu.nvidia.com"))
             assert code != 0 and "spec.driver" in out, out
+            code, out = run(who, "label", "node", mine, "--overwrite", "nvidia.com/gpu.clique=probe.1")
+            assert code == 0, out
+            code, out = run(who, "label", "node", mine, "nvidia.com/gpu.clique-")
+            assert code == 0, out
+            # The CD label brings a domain's IMEX daemon: the controller's alone, even on the agent's own node.
             code, out = run(
                 who, "label", "node", mine, "--overwrite", f"resource.nvidia.com/computeDomain={uuid.uuid4()}"
             )
-            assert code == 0, out
+            assert code != 0 and "metadata.labels" in out and "is the controller's" in out, out
+            cluster.kubectl("label", "node", mine, f"resource.nvidia.com/computeDomain={uuid.uuid4()}")
             code, out = run(who, "label", "node", mine, "resource.nvidia.com/computeDomain-")
-            assert code == 0, out
-            code, out = run(who, "label", "node", other, f"resource.nvidia.com/computeDomain={uuid.uuid4()}")
+            assert code != 0 and "resource.nvidia.com/computeDomain" in out, out
+            cluster.kubectl("label", "node", mine, "resource.nvidia.com/computeDomain-")
+            code, out = run(who, "label", "node", other, "nvidia.com/gpu.clique=stolen.1")
             assert code != 0 and f"may only change its own Node, not {other}" in out, out
             code, out = run(who, "label", "node", mine, "--overwrite", "nvidia.com/gpu.present=false")
             assert code != 0 and "metadata.labels" in out and "nvidia.com/gpu.present" in out, out

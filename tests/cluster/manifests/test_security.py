@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL, DAEMON_DEVICE_CLASS, DRIVER_NAME
+from tests.cluster.claims import allocated_claim
 from tests.cluster.manifests import rbac_table
 from tests.cluster.manifests.release import (
     SELECT_LABEL,
@@ -567,8 +568,9 @@ def test_each_domain_gets_a_network_policy_selecting_its_own_daemons(installed: 
             return found if set(uids.values()) <= set(found) else None
 
         found = wait_for(policies, "a NetworkPolicy per domain", timeout=60)
-        # The node agent labels a node for team-a; the DaemonSet controller makes team-a's daemon pod there.
-        c.kubectl("label", "node", s.node, "--overwrite", f"{COMPUTE_DOMAIN_LABEL}={uids['team-a']}")
+        # A claim of team-a allocated on the node: the controller labels it, the DaemonSet controller makes
+        # team-a's daemon pod there.
+        allocated_claim(c, s.workload_ns, uids["team-a"], s.node)
         daemon = wait_for(
             lambda: (json.loads(c.kubectl("get", "pods", "-n", s.ns, "-l", f"{COMPUTE_DOMAIN_LABEL}={uids['team-a']}", "-o", "json"))["items"] or [None])[0],
             "team-a's daemon pod",

@@ -262,6 +262,9 @@ def test_node_agent_token_is_bound_to_its_node_and_confined_to_it(real_nodes: Re
     code, out = as_agent("label", "node", mine.name, "nvidia.com/gpu.clique=probe", "--overwrite")
     assert code == 0, out
     as_agent("label", "node", mine.name, "nvidia.com/gpu.clique-")
+    # The label that brings a domain's IMEX daemon to a node is the controller's, even on the agent's own.
+    code, out = as_agent("label", "node", mine.name, f"{COMPUTE_DOMAIN_LABEL}=00000000-0000-4000-8000-000000000000")
+    assert code != 0 and f"{COMPUTE_DOMAIN_LABEL} is the controller's" in out, out
     # The other node: refused, with the policy's message.
     code, out = as_agent("label", "node", other.name, "nvidia.com/gpu.clique=stolen", "--overwrite")
     assert code != 0 and f"may only change its own Node, not {other.name}" in out, out

@@ -53,8 +53,9 @@ CONTROLLER = (
     | _v("resource.nvidia.com", "computedomaincliques", *READ, "update", "delete")
     | _v("coordination.k8s.io", "leases", "create", "get", "list", "watch", "update")
 )
-# driverManaged only: the daemons' per-domain NetworkPolicies.
+# driverManaged only: the daemons' per-domain NetworkPolicies, and the claims the CD node label follows.
 NETWORK_POLICIES = _v("networking.k8s.io", "networkpolicies", *READ, "create", "delete")
+CLAIMS = _v("resource.k8s.io", "resourceclaims", "list", "watch")
 NODE_AGENT = (
     _v("resource.k8s.io", "resourceslices", *READ, "create", "update", "patch", "delete")
     | _v("resource.k8s.io", "resourceclaims", *READ)
@@ -77,9 +78,9 @@ def default() -> Rendered:
 
 
 def test_exact_grants(default: Rendered) -> None:
-    assert _grants(default, "controller") == CONTROLLER | NETWORK_POLICIES
+    assert _grants(default, "controller") == CONTROLLER | NETWORK_POLICIES | CLAIMS
     assert _grants(render(*HOST_MANAGED), "controller") == CONTROLLER
-    assert _grants(render("daemonNetworkPolicy.enabled=false"), "controller") == CONTROLLER | (
+    assert _grants(render("daemonNetworkPolicy.enabled=false"), "controller") == CONTROLLER | CLAIMS | (
         NETWORK_POLICIES - _v("networking.k8s.io", "networkpolicies", "create")
     )
     assert _grants(default, "kubelet-plugin") == NODE_AGENT | NODE_AGENT_DAEMONS

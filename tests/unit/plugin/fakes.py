@@ -135,26 +135,19 @@ class FakeDaemonPods:
 
 
 class FakeLabels:
+    """The node's labels as the controller set them (tests write ``labels``); the agent only checks."""
+
     def __init__(self) -> None:
         self.labels: dict[str, str] = {}
-        self.writes = 0
+        self.checks = 0
         self.conflicts = 0
 
-    async def ensure_label(self, key: str, value: str) -> None:
+    async def check_label(self, key: str, value: str) -> None:
+        self.checks += 1
         current = self.labels.get(key)
         if current is not None and current != value:
             self.conflicts += 1
             raise LabelConflictError(f"node carries {key}={current} of another ComputeDomain")
-        if current is None:
-            self.writes += 1
-            self.labels[key] = value
-
-    async def remove_label_if(self, key: str, value: str) -> bool:
-        if self.labels.get(key) != value:
-            return False
-        del self.labels[key]
-        self.writes += 1
-        return True
 
 
 class FakeReadiness:

@@ -51,7 +51,7 @@ async def test_the_domain_gets_its_own_channel_and_only_that(tmp_path: Path) -> 
     entry = bed.store.read().get(ref_a.uid)
     assert entry is not None and entry.state is ClaimState.PREPARE_COMPLETED
     assert [(r.clique_id, r.channels) for r in entry.resources] == [(CLIQUE, (ka,))]
-    assert bed.labels.writes == 0  # hostManaged: no node label
+    assert bed.labels.checks == 0  # hostManaged: no node label
 
 
 async def test_waits_with_a_retryable_error_until_the_channel_is_assigned(tmp_path: Path) -> None:

@@ -122,20 +122,13 @@ async def test_node_holder_drains_before_the_node_is_free(tmp_path: Path) -> Non
         now=now,
     )
     state = {"cp": cp}
-    removed: list[str] = []
     publisher, claims = _Publisher(), _Claims()
-
-    async def remove_label(uid: str) -> bool:
-        removed.append(uid)
-        return True
-
     holder = NodeHolder(
         claims,  # type: ignore[arg-type]
         publisher,  # type: ignore[arg-type]
         node_name=NODE,
         read_checkpoint=lambda: state["cp"],
         node_label=lambda: domain,
-        remove_label=remove_label,
         domain_namespace=lambda uid: "ns",
         devices=lambda holding: published_devices(
             host_managed=False, imex_supported=True, channel_devices=4, holding=holding
@@ -145,14 +138,13 @@ async def test_node_holder_drains_before_the_node_is_free(tmp_path: Path) -> Non
     assert await holder._reconcile("holder") == DONE
     assert [d.holder for d in publisher.devices] == [domain] * 4 + [None]
     state["cp"] = finish_unprepare(cp, "c1", now=now)
-    # An agent restarted now (its label gone with the last claim) drains on from what its slice says.
+    # An agent restarted now (the controller already took the label off) drains on from what its slice says.
     restarted = NodeHolder(
         claims,  # type: ignore[arg-type]
         publisher,  # type: ignore[arg-type]
         node_name=NODE,
         read_checkpoint=lambda: state["cp"],
         node_label=lambda: None,
-        remove_label=remove_label,
         domain_namespace=lambda uid: "ns",
         devices=holder.devices,
         clock=clock,
@@ -162,17 +154,16 @@ async def test_node_holder_drains_before_the_node_is_free(tmp_path: Path) -> Non
     result = await holder._reconcile("holder")
     assert isinstance(result, RequeueAfter) and result.seconds == RELEASE_SETTLE_S
     assert [(d.name, d.holder) for d in publisher.devices] == [("channel-0", domain), ("daemon-0", None)]
-    assert claims.lists == 0 and not removed
+    assert claims.lists == 0
     # A pod of D that was scheduled on the slice of before: its claim keeps the node D's.
     claims.items = [_allocated("w-1", "c2"), _allocated("w-0", "c1"), _allocated("elsewhere", "c3", pool="n2")]
     await clock.advance(RELEASE_SETTLE_S)
     assert isinstance(await holder._reconcile("holder"), RequeueAfter)
-    assert publisher.devices[0].holder == domain and not removed
+    assert publisher.devices[0].holder == domain
     claims.items = claims.items[1:]  # only the claim unprepared here and another node's are left
     await clock.advance(RELEASE_SETTLE_S)
     assert await holder._reconcile("holder") == DONE
     assert [(d.name, d.holder) for d in publisher.devices] == [("channel-0", None), ("daemon-0", None)]
-    assert removed == [domain]
 
 
 def test_plan_creates_then_is_stable_then_repairs() -> None:
@@ -351,7 +342,7 @@ async def test_cleanup_undoes_stale_partial_prepares_and_orphans(tmp_path: Path)
     assert checkpoint.get(kept.uid).state is ClaimState.PREPARE_STARTED  # type: ignore[union-attr]
     assert checkpoint.get(gone_uid).state is ClaimState.PREPARE_ABORTED  # type: ignore[union-attr]
     assert set(bed.cdi.list_claims()) == {kept.uid}
-    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}, "kept: another live claim of the domain set it"
+    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}, "the controller's label: the agent never removes it"
     # Next round: the tombstone expires (TTL 0 here).
     await asyncio.sleep(0.01)
     assert (await cleanup.run_once()).expired_tombstones == 1

@@ -79,12 +79,12 @@ async def test_ready_domain_channel_claim(tmp_path: Path) -> None:
     assert spec_nodes(bed, ref.uid) == [
         {"path": "/dev/nvidia-caps-imex-channels/channel0", "type": "c", "major": 242, "minor": 0, "fileMode": 0o666}
     ]
-    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+    assert bed.labels.labels == {} and bed.labels.checks == 1, "the CD label is checked, never written"
     entry = bed.store.read().get(ref.uid)
     assert entry is not None and entry.state is ClaimState.PREPARE_COMPLETED
     # Idempotent: the same devices again, no new side effects.
     again = (await bed.preparer.prepare([ref]))[ref.uid]
-    assert again == result and bed.labels.writes == 1
+    assert again == result and bed.labels.checks == 1
 
 
 async def test_all_mode_injects_every_channel(tmp_path: Path) -> None:
@@ -103,8 +103,8 @@ async def test_prepare_waits_for_this_nodes_daemon(tmp_path: Path) -> None:
     task = asyncio.create_task(bed.preparer.prepare([ref]))
     await until("the readiness wait", lambda: bed.readiness.waits == 1)
     assert not task.done()
-    # The label is there before the daemon is: it is what brings the daemon to this node.
-    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+    # No label yet is no refusal: the controller sets it once the claim is allocated, and the daemon follows.
+    assert bed.labels.checks == 1
     assert bed.cdi.read(ref.uid) is None
     bed.readiness.set_ready(cd.uid)
     result = (await asyncio.wait_for(task, 5))[ref.uid]
@@ -134,7 +134,7 @@ async def test_a_claim_whose_pod_is_deleted_while_it_waits_is_undone_at_once(tmp
     ref = bed.channel_claim(cd)
     task = start(bed.preparer.prepare([ref]))
     await fake(bed).advance(WAIT_NOTICE_S + 0.1)
-    assert bed.notices and bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+    assert bed.notices
     bed.claims.delete(ref)
 
     def undone() -> bool:
@@ -142,7 +142,7 @@ async def test_a_claim_whose_pod_is_deleted_while_it_waits_is_undone_at_once(tmp
         return entry is not None and entry.state is ClaimState.PREPARE_ABORTED
 
     await until("the waiting claim undone", undone)
-    assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
+    assert bed.cdi.list_claims() == {}
     assert "unprepared while this Prepare ran" in (await asyncio.wait_for(task, 5))[ref.uid].error
 
 
@@ -231,7 +231,7 @@ async def test_another_domains_label_is_retryable(tmp_path: Path) -> None:
 def assert_untouched(bed: Bed) -> None:
     assert bed.store.read().claims == {}
     assert bed.cdi.list_claims() == {}
-    assert bed.labels.writes == 0
+    assert bed.labels.checks == 0
 
 
 async def test_unknown_opaque_field_is_permanent_and_named(tmp_path: Path) -> None:
@@ -280,13 +280,13 @@ async def test_unprepare_undoes_everything_and_rejects_a_stale_retry(tmp_path: P
     ref = bed.channel_claim(cd)
     assert (await bed.preparer.prepare([ref]))[ref.uid].ok
     assert (await bed.preparer.unprepare([ref]))[ref.uid].ok
-    assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
+    assert bed.cdi.list_claims() == {}
     entry = bed.store.read().get(ref.uid)
     assert entry is not None and entry.state is ClaimState.UNPREPARE_COMPLETED
     # The kubelet's late retry of the same claim state must not resurrect it (#1162).
     late = (await bed.preparer.prepare([ref]))[ref.uid]
     assert "permanent error" in late.error and "stale Prepare" in late.error
-    assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
+    assert bed.cdi.list_claims() == {}
     # Unprepare is idempotent; unknown claims too.
     assert (await bed.preparer.unprepare([ref]))[ref.uid].ok
 
@@ -297,13 +297,12 @@ async def test_unprepare_cancels_a_waiting_prepare_without_leaks(tmp_path: Path)
     ref = bed.channel_claim(cd)
     waiting = asyncio.create_task(bed.preparer.prepare([ref]))
     await until("the readiness wait", lambda: bed.readiness.waits == 1)
-    assert bed.labels.labels
     assert (await bed.preparer.unprepare([ref]))[ref.uid].ok
     result = (await drive(bed, waiting))[ref.uid]
     assert "unprepared while this Prepare ran" in result.error
     bed.readiness.set_ready(cd.uid)
     await fake(bed).advance(1.0)  # nothing of the cancelled Prepare may still be running and write
-    assert bed.labels.labels == {} and bed.cdi.list_claims() == {}
+    assert bed.cdi.list_claims() == {}
     entry = bed.store.read().get(ref.uid)
     assert entry is not None and entry.state is ClaimState.PREPARE_ABORTED
 
@@ -318,18 +317,19 @@ async def test_claims_of_one_domain_share_channel_0_and_another_domain_waits(tmp
     assert results[first.uid].ok and results[second.uid].ok, results
     specs = bed.cdi.list_claims()
     assert set(specs) == {first.uid, second.uid}
-    # Another domain's claim waits while this domain holds the node (the checkpoint's guard, then the label).
+    # Another domain's claim waits while this domain holds the node: the checkpoint's guard, then the label
+    # (the controller's: it names the first domain until its claims here are gone).
+    bed.labels.labels[COMPUTE_DOMAIN_LABEL] = cd.uid
     theirs = bed.channel_claim(other)
     error = (await drive(bed, start(bed.preparer.prepare([theirs]))))[theirs.uid].error
     assert error.startswith("retryable error: ") and "channel 0" in error, error
-    # The label goes with the domain's last claim, not its first.
     await bed.preparer.unprepare([first])
-    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
     await bed.preparer.unprepare([second])
-    assert bed.labels.labels == {}
+    error = (await drive(bed, start(bed.preparer.prepare([theirs]))))[theirs.uid].error
+    assert error.startswith("retryable error: ") and f"{COMPUTE_DOMAIN_LABEL}={cd.uid}" in error, error
+    bed.labels.labels[COMPUTE_DOMAIN_LABEL] = other.uid  # the controller moved it
     bed.set_budget(5)
     assert (await bed.preparer.prepare([theirs]))[theirs.uid].ok
-    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: other.uid}
 
 
 async def test_host_managed_domains_share_channel_0(tmp_path: Path) -> None:
@@ -346,7 +346,7 @@ async def test_no_clique_succeeds_without_injection(tmp_path: Path) -> None:
     result = (await bed.preparer.prepare([ref]))[ref.uid]
     assert result.ok and result.devices[0].cdi_device_ids == ()
     assert bed.cdi.list_claims() == {} and bed.readiness.waits == 0
-    assert bed.labels.labels == {COMPUTE_DOMAIN_LABEL: cd.uid}
+    assert bed.labels.checks == 1
 
 
 async def test_daemon_claim_gets_imexd_env_and_fabric_device(tmp_path: Path) -> None:
@@ -377,7 +377,7 @@ async def test_daemon_claim_gets_imexd_env_and_fabric_device(tmp_path: Path) -> 
     assert edits["deviceNodes"] == [
         {"path": "/dev/nvidia-caps/nvidia-cap4323", "type": "c", "major": 241, "minor": 4323, "fileMode": 256}
     ]
-    assert bed.labels.writes == 0
+    assert bed.labels.checks == 0
 
 
 async def test_host_managed_checks_the_host_daemon(tmp_path: Path) -> None:
@@ -400,7 +400,7 @@ async def test_host_managed_checks_the_host_daemon(tmp_path: Path) -> None:
     result = (await bed.preparer.prepare([ref]))[ref.uid]
     assert result.ok
     assert [n["minor"] for n in spec_nodes(bed, ref.uid)] == [0], "hostManaged always hands out channel 0 only"
-    assert bed.labels.writes == 0, "no node label in hostManaged mode"
+    assert bed.labels.checks == 0, "no node label in hostManaged mode"
     daemon = bed.daemon_claim(cd)
     error = (await bed.preparer.prepare([daemon]))[daemon.uid].error
     assert "permanent error" in error and "hostManaged" in error
