@@ -256,13 +256,14 @@ def decode_claim(raw: Raw) -> ClaimView:
     devices = devices if isinstance(devices, Mapping) else {}
     # A pool of ours is named after its node (the node agent's admission policy binds the two).
     nodes = frozenset(
-        str(r.get("pool") or "")
+        str(r["pool"])
         for r in devices.get("results") or ()
         if isinstance(r, Mapping)
+        and r.get("pool")
         and r.get("driver") == DRIVER_NAME
         and str(r.get("device") or "").startswith("channel-")
     )
-    domains = set()
+    domains: set[str] = set()
     for config in devices.get("config") or ():
         opaque = config.get("opaque") if isinstance(config, Mapping) else None
         params = (
@@ -270,12 +271,10 @@ def decode_claim(raw: Raw) -> ClaimView:
         )
         if isinstance(params, Mapping) and params.get("kind") == "ComputeDomainChannelConfig":
             domains.add(str(params.get("domainID") or ""))
-    cd_uid = next(iter(domains)) if len(domains) == 1 and nodes - {""} else ""
+    if len(domains) != 1 or not nodes:
+        domains, nodes = {""}, frozenset()
     return ClaimView(
-        namespace=str(meta.get("namespace") or ""),
-        name=str(meta.get("name") or ""),
-        cd_uid=cd_uid,
-        nodes=nodes - {""} if cd_uid else frozenset(),
+        namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""), cd_uid=domains.pop(), nodes=nodes
     )
 
 

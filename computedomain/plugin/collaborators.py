@@ -3,9 +3,9 @@ that ``app`` injects (Kubernetes-backed in the agent, in-memory in unit tests an
 
 Reads: the claim (``ClaimReader``, one live GET), the ComputeDomain (``DomainLookup``), the node's
 hardware (``Hardware``), the node's CD label (``NodeLabeler``: another domain's is refused). Side effects:
-the wait for this node's
-daemon (``DaemonReadiness``), the host IMEX check of hostManaged mode (``HostCheck``), and with channel
-isolation the domain's channel in this node's clique (``ChannelAssignments``).
+the wait for this node's daemon (``DaemonReadiness``), the host IMEX check of hostManaged mode
+(``HostCheck``), and with channel isolation the domain's channel in this node's clique
+(``ChannelAssignments``).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ async def test_workload_pod_gets_the_channel_and_deletion_undoes_it(harness: Har
         "fileMode": 0o666,
     }
     assert len(nodes) == (2048 if mode == "All" else 1)
-    # The CD label is the controller's (none runs here): the node agent never writes it, under any token.
+    # The CD label is the controller's (none runs here): the node agent never writes it.
     assert COMPUTE_DOMAIN_LABEL not in harness.node_labels(node)
     pod = harness.get("pod", "worker", harness.ns)
     assert pod is not None and pod["metadata"]["annotations"][PREPARED_ANNOTATION] == "true"

@@ -79,7 +79,8 @@ async def test_ready_domain_channel_claim(tmp_path: Path) -> None:
     assert spec_nodes(bed, ref.uid) == [
         {"path": "/dev/nvidia-caps-imex-channels/channel0", "type": "c", "major": 242, "minor": 0, "fileMode": 0o666}
     ]
-    assert bed.labels.labels == {} and bed.labels.checks == 1, "the CD label is checked, never written"
+    # The fake cannot write (the real NodeLabels never writes it: test_node_labels.py); the check ran once.
+    assert bed.labels.labels == {} and bed.labels.checks == 1
     entry = bed.store.read().get(ref.uid)
     assert entry is not None and entry.state is ClaimState.PREPARE_COMPLETED
     # Idempotent: the same devices again, no new side effects.
