@@ -218,8 +218,8 @@ async def run(bench: Bench) -> None:
                 with bench.step(f"round {index + 1}: starting the controller with channel isolation [{lim.label}]"):
                     driver_ns = await bench.namespace("chdrv")
                     cd_ns = await bench.namespace("chcd")
-                    kubeconfig = await bench.controller_kubeconfig()
-                    ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, kubeconfig, extra=ISOLATION_ENV)
+                    account = await bench.controller_service_account()
+                    ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, account, extra=ISOLATION_ENV)
                 try:
                     await ctl.ready()
                     with bench.step(f"round {index + 1}: {count} channel records at once [{lim.label}]"):

@@ -28,7 +28,8 @@ clock, this process), failures counted apart.
    nodes with a ComputeDomain label anyway).
 
 The controller runs as a process (`tests.cluster.controller.proc`, the product's entry point limited to the
-benchmark's namespace) with the admin kubeconfig. Stand-in daemon pods are owned by a ConfigMap of this
+benchmark's namespace) with a cluster-admin ServiceAccount's token and the CA at the in-pod path, as a pod of it
+would run (so its memory and start-up are the in-cluster path's, without the kubeconfig loader). Stand-in daemon pods are owned by a ConfigMap of this
 benchmark (a controller owner reference), so the DaemonSet controller leaves them alone: it would adopt an
 orphan that carries the domain's label and delete it from a node that is not labelled for the domain.
 """
@@ -71,6 +72,7 @@ from computedomain.kube.informer import Informer
 from computedomain.settings import ControllerSettings, load_settings
 from tests.bench.figures import Figure, Section, Target, percentile
 from tests.bench.harness import Bench, Watching, cd_body, gather_limited, poll, release_finalizers, wait_for
+from tests.testbed import serviceaccount
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION, REPO, free_port
 from tests.testbed.nodes import gb200_node
 
@@ -135,7 +137,8 @@ def per_limits(section: Section, all_limits: list[Limits], make: Callable[[Limit
 
 
 class ControllerProcess:
-    """`python -m tests.cluster.controller.proc`: the controller's entry point, limited to one namespace."""
+    """`python -m tests.cluster.controller.proc`: the controller's entry point, limited to one namespace, with
+    a pod's credentials at the in-pod path (`Bench.controller_service_account`)."""
 
     def __init__(
         self,
@@ -143,13 +146,13 @@ class ControllerProcess:
         driver_ns: str,
         cd_ns: str,
         lim: Limits,
-        kubeconfig: Path,
+        service_account: Path,
         extra: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         env = {
-            **{k: v for k, v in os.environ.items() if k not in ("KUBE_API_QPS", "KUBE_API_BURST")},
-            "KUBECONFIG": str(kubeconfig),
+            **{k: v for k, v in os.environ.items() if k not in ("KUBE_API_QPS", "KUBE_API_BURST", "KUBECONFIG")},
+            **serviceaccount.cluster_env(bench.local.server),
             "NAMESPACE": driver_ns,
             "IMAGE_NAME": "registry.example/computedomain:bench",
             **lim.env(),
@@ -164,8 +167,9 @@ class ControllerProcess:
         self.started = time.monotonic()
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.cluster.controller.proc"], cwd=REPO, env=env, stderr=log
-            )
+                serviceaccount.mounted([sys.executable, "-m", "tests.cluster.controller.proc"], service_account),
+                cwd=REPO, env=env, stderr=log,
+            )  # fmt: skip
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
@@ -490,7 +494,7 @@ async def startup_round(bench: Bench, client: KubeClient, driver_ns: str, cd_ns:
     try:
         await cds.has_synced()
         await client.create(COMPUTE_DOMAINS, cd_body(name, cd_ns))
-        ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, await bench.controller_kubeconfig())
+        ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, await bench.controller_service_account())
         with contextlib.suppress(TimeoutError):
             await wait_for(lambda: name in seen, 60, "the first reconcile's write")
         return ctl, (seen[name] - ctl.started if name in seen else None)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ from computedomain.kube.client import (
 from computedomain.kube.errors import KubeError, NotFound
 from computedomain.kube.informer import Informer
 from tests.bench.figures import Section
+from tests.testbed import serviceaccount
 from tests.testbed.cluster import LocalCluster
 
 T = TypeVar("T")
@@ -51,7 +53,7 @@ class Bench:
         self._clients: list[KubeClient] = []
         self._namespaces: list[str] = []
         self._bindings: list[str] = []
-        self._controller_kubeconfig: Path | None = None
+        self._controller_account: Path | None = None
 
     # -- sizes
 
@@ -79,14 +81,14 @@ class Bench:
         self._namespaces.append(name)
         return name
 
-    async def controller_kubeconfig(self) -> Path:
-        """The credentials the benchmarked controller runs with: on a control plane with API Priority and
-        Fairness a ServiceAccount's token (bound to cluster-admin), so its requests are classified as an
-        in-cluster controller's are (FlowSchema service-accounts, priority level workload-low); otherwise
-        the admin's (system:masters is exempt from APF, which is off there anyway)."""
-        if not self.local.priority_and_fairness:
-            return self.local.kubeconfig
-        if self._controller_kubeconfig is None:
+    async def controller_service_account(self) -> Path:
+        """The credentials the benchmarked controller runs with, as a pod of it would: a ServiceAccount's
+        token (bound to cluster-admin) and the cluster's CA in a directory that `ControllerProcess` mounts at
+        the in-pod path (`tests.testbed.serviceaccount`), so the process takes a pod's in-cluster path and
+        never imports the kubeconfig loader. On a control plane with API Priority and Fairness its requests
+        are classified as an in-cluster controller's are (FlowSchema service-accounts, priority level
+        workload-low)."""
+        if self._controller_account is None:
             ns = await self.namespace("sa")
             name = "bench-controller"
             binding = f"bench-controller-{self.tag}"
@@ -97,13 +99,11 @@ class Bench:
             token = (await asyncio.to_thread(self.local.kubectl, "create", "token", name, "-n", ns,
                                              "--duration=24h")).stdout.strip()  # fmt: skip
             admin = json.loads(self.local.kubeconfig.read_text())
-            config = {**admin, "users": [{"name": name, "user": {"token": token}}],
-                      "contexts": [{"name": "testbed", "context": {"cluster": "testbed", "user": name}}]}  # fmt: skip
-            path = self.local.root / f"bench-controller-{self.tag}.kubeconfig"
-            path.write_text(json.dumps(config))
-            path.chmod(0o600)
-            self._controller_kubeconfig = path
-        return self._controller_kubeconfig
+            self._controller_account = serviceaccount.write_dir(
+                self.local.root / f"bench-controller-{self.tag}.serviceaccount",
+                token=token, ca=serviceaccount.ca_pem(admin), namespace=ns,
+            )  # fmt: skip
+        return self._controller_account
 
     @contextlib.contextmanager
     def step(self, what: str) -> Iterator[None]:
@@ -133,8 +133,8 @@ class Bench:
                 await asyncio.to_thread(
                     self.local.kubectl, "delete", "clusterrolebinding", binding, "--ignore-not-found"
                 )
-        if self._controller_kubeconfig is not None:
-            self._controller_kubeconfig.unlink(missing_ok=True)
+        if self._controller_account is not None:
+            shutil.rmtree(self._controller_account, ignore_errors=True)
         for c in self._clients:
             await c.close()
         self._clients.clear()

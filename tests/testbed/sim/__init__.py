@@ -10,9 +10,10 @@ create. What is simulated, and where:
   its own loopback network `127.A.B.0/25` (`spec.podCIDR`, so kwok hands out pod IPs the IMEX simulator can
   bind) and host IP `127.A.B.200`;
 - `pods`: the kubelet's container side: runs a pod's container as a process (or hosted in a shared process
-  on large topologies, see `podhost`), with the pod's env (downward API resolved), a kubeconfig holding a
-  TokenRequest token bound to the pod, mount paths translated into the node's tree, CDI edits of its
-  prepared claims applied, probes, restarts, and the IMEX simulator as `nvidia-imex`;
+  on large topologies, see `podhost`), with the pod's env (downward API resolved), a service account
+  (TokenRequest token bound to the pod, CA) where a pod's in-cluster loader reads it, mount paths
+  translated into the node's tree, CDI edits of its prepared claims applied, probes, restarts, and the IMEX
+  simulator as `nvidia-imex`;
 - `hostimex`: hostManaged mode's per-node host IMEX service (the simulator on a unix socket under the node's
   driver root, reachable by a chrooted `nvidia-imex-ctl`);
 - `cluster.SimCluster`: puts it together (own kwok, kubelet stand-ins, pod runner, `helm install`).

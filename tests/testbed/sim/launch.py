@@ -119,11 +119,14 @@ class PodHostProcess:
         if self.proc.returncode is None and not self.proc.stdin.is_closing():
             self.proc.stdin.write(json.dumps(message).encode() + b"\n")
 
-    def launch(self, container_id: str, argv: list[str], env: dict[str, str], log_path: Path) -> HostedContainer:
+    def launch(
+        self, container_id: str, argv: list[str], env: dict[str, str], log_path: Path, service_account: Path
+    ) -> HostedContainer:
         hosted = HostedContainer(self, container_id)
         self.containers[container_id] = hosted
         self.assigned += 1
-        self.send({"op": "start", "id": container_id, "argv": argv, "env": env, "log": str(log_path)})
+        self.send({"op": "start", "id": container_id, "argv": argv, "env": env, "log": str(log_path),
+                   "serviceaccount": str(service_account)})  # fmt: skip
         return hosted
 
     async def _read(self) -> None:
@@ -170,7 +173,9 @@ class HostPool:
         self.hosts: list[PodHostProcess] = []
         self._lock = asyncio.Lock()
 
-    async def launch(self, container_id: str, argv: list[str], env: dict[str, str], log_path: Path) -> HostedContainer:
+    async def launch(
+        self, container_id: str, argv: list[str], env: dict[str, str], log_path: Path, service_account: Path
+    ) -> HostedContainer:
         async with self._lock:
             host = next(
                 (h for h in self.hosts if h.assigned < self.per_host and h.proc.returncode is None),
@@ -182,7 +187,7 @@ class HostPool:
                     self.kind, self.env, self.log_dir / f"podhost-{self.kind}-{index}.log"
                 )
                 self.hosts.append(host)
-        return host.launch(container_id, argv, env, log_path)
+        return host.launch(container_id, argv, env, log_path, service_account)
 
     async def close(self) -> None:
         await asyncio.gather(*(h.close() for h in self.hosts), return_exceptions=True)

@@ -8,15 +8,21 @@ entry point its command names, in the same event loop, with separate state:
                                                 `computedomain.plugin.app.serve` (`main` minus its signals)
   python -m imex daemon run ARGS                settings from ARGS over the env -> `imex.daemon.run.run_daemon`
 
-Each container has its own settings (so its own kubeconfig and token, sockets, directories, pod IP, health
-port), its own Kubernetes client and its own stop event. What the containers share is the process: the
-event loop, `os.environ` (nothing of theirs reads it: settings take `environ=`, and the daemon's
-`nvidia-imex` is a per-pod wrapper named by `IMEX_BINARY` that sets the simulator's env itself), the
+Each container has its own settings (so its own sockets, directories, pod IP, health port), its own
+service account, Kubernetes client and stop event. The service account: one process cannot give each
+container the in-pod path in a mount namespace of its own (`tests.testbed.serviceaccount`), so the pod host
+puts the product's in-cluster loader (`computedomain.kube.config.in_cluster`) in front of a lookup: a
+container's client reads the token and CA from that container's directory, with that container's env, and
+nothing else of the loader changes (the only difference from a pod: the directory's name). What the
+containers share is the process: the event loop, `os.environ` (nothing of theirs reads it but the loader's
+"am I in a pod" test, which the first container's `KUBERNETES_SERVICE_HOST` answers for all: they talk to one
+apiserver; settings take `environ=`, and the daemon's `nvidia-imex` is a per-pod wrapper named by
+`IMEX_BINARY` that sets the simulator's env itself), the
 prometheus registry, and the root logger and `sys.stderr`, whose records and lines are routed to each
 container's log file by a context variable that every task of that container inherits (so a start-up
 `error: ...` line lands in the container's log, as it would in a process of its own).
 
-Protocol (JSON lines): stdin `{"op": "start", "id", "argv", "env", "log"}`, `{"op": "term", "id"}` (the
+Protocol (JSON lines): stdin `{"op": "start", "id", "argv", "env", "log", "serviceaccount"}`, `{"op": "term", "id"}` (the
 container's SIGTERM: its graceful path runs), `{"op": "kill", "id"}` (its task is cancelled: no graceful path,
 but `finally` blocks still run -- the closest a shared process gets to SIGKILL; scenarios that need a real
 SIGKILL run that container as a process of its own), `{"op": "exit"}`; stdout `{"op": "exited", "id", "code"}`.
@@ -39,6 +45,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
+
+from computedomain.kube import config as kube_config
+from computedomain.kube.config import Credentials
+from computedomain.kube.config import in_cluster as _in_cluster
 
 current: contextvars.ContextVar[str | None] = contextvars.ContextVar("sim_container", default=None)
 log = logging.getLogger("podhost")
@@ -111,13 +121,23 @@ class Host:
         self.router = router
         self.stops: dict[str, asyncio.Event] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.accounts: dict[str, tuple[Path, dict[str, str]]] = {}  # container -> its service account, env
+
+    def in_cluster(self) -> Credentials:
+        """`config.in_cluster` for the container whose task asks (see the module docstring)."""
+        directory, env = self.accounts[current.get() or ""]
+        return _in_cluster(directory, env)
 
     def report(self, message: dict[str, Any]) -> None:
         self.out.write(json.dumps(message).encode() + b"\n")
         self.out.flush()
 
-    def start(self, cid: str, argv: list[str], env: dict[str, str], log_path: str) -> None:
+    def start(self, cid: str, argv: list[str], env: dict[str, str], log_path: str, service_account: str) -> None:
         self.router.files[cid] = Path(log_path).open("a", encoding="utf-8")  # noqa: SIM115 (closed when it exits)
+        self.accounts[cid] = (Path(service_account), env)
+        for name in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+            if name in env:
+                os.environ.setdefault(name, env[name])
         stop = asyncio.Event()
         self.stops[cid] = stop
 
@@ -136,6 +156,7 @@ class Host:
                 self.report({"op": "exited", "id": cid, "code": code})
                 self.stops.pop(cid, None)
                 self.tasks.pop(cid, None)
+                self.accounts.pop(cid, None)
                 handle = self.router.files.pop(cid, None)
                 if handle is not None:
                     handle.close()
@@ -152,7 +173,7 @@ class Host:
             message = json.loads(line)
             op, cid = message.get("op"), message.get("id", "")
             if op == "start":
-                self.start(cid, message["argv"], message["env"], message["log"])
+                self.start(cid, message["argv"], message["env"], message["log"], message["serviceaccount"])
             elif op == "term" and cid in self.stops:
                 self.stops[cid].set()
             elif op == "kill" and cid in self.tasks:
@@ -202,6 +223,7 @@ def main(argv: list[str]) -> int:
     root.handlers[:] = [router]
     root.setLevel(logging.INFO)
     host = Host(out, router)
+    kube_config.in_cluster = host.in_cluster  # type: ignore[assignment]  # the lookup of the docstring
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(host.serve())
     return 0

@@ -7,8 +7,10 @@ agents, IMEX daemons, uninstall hook Jobs), does what the kubelet and the contai
 
 - **identity**: a token of the pod's ServiceAccount from the TokenRequest API, bound to the pod (so the
   apiserver adds the node name to the user, RBAC and the admission policies see the real identity, and the
-  token dies with the pod), in a kubeconfig handed to the process as `KUBECONFIG` (the chart's empty value
-  means in-cluster, whose fixed token path cannot exist here);
+  token dies with the pod), with the cluster's CA and the namespace as files at the in-pod path and
+  `KUBERNETES_SERVICE_HOST`/`_PORT` in the env, so the product takes a pod's in-cluster path
+  (`tests.testbed.serviceaccount`: a process of its own gets the files in a mount namespace of its own, a
+  pod host points the loader at each container's directory);
 - **env, args, paths, ports**: `containers.translate` (downward API, `$(VAR)`, CDI edits of the pod's
   prepared claims from the node's CDI dir, mount paths into the node's tree, per-pod address and ports);
 - **hardware**: nothing of its own: the node's tree is its driver root (mock NVML, `/proc` files, the IMEX
@@ -58,6 +60,7 @@ import yaml
 from computedomain.kube.client import PODS, KubeClient, Raw, Resource
 from computedomain.kube.errors import KubeError, NotFound
 from computedomain.kube.informer import Informer
+from tests.testbed import serviceaccount
 from tests.testbed.imex_simulator.forkserver import client_script
 from tests.testbed.sim.containers import (
     REPO,
@@ -170,7 +173,7 @@ class PodWorker:
 
     # -- setup
 
-    async def _kubeconfig(self) -> Path:
+    async def _service_account(self) -> Path:
         sa = self.pod["spec"].get("serviceAccountName") or "default"
         # `kubectl create token SA --bound-object-kind=Pod ...` as one request instead of a kubectl process per
         # pod: a TokenRequest is a create on the ServiceAccount's `token` subresource, whose path a Resource
@@ -188,23 +191,12 @@ class PodWorker:
             },
             namespace=self.namespace,
         )
-        token = str(reply["status"]["token"])
-        admin = yaml.safe_load(self.runner.admin_kubeconfig.read_text())
-        path = self.dir / "kubeconfig"
-        path.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "sim", "cluster": admin["clusters"][0]["cluster"]}],
-                    "users": [{"name": f"system:serviceaccount:{self.namespace}:{sa}", "user": {"token": token.strip()}}],
-                    "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": f"system:serviceaccount:{self.namespace}:{sa}", "namespace": self.namespace}}],
-                    "current-context": "sim",
-                }
-            )
-        )  # fmt: skip
-        path.chmod(0o600)
-        return path
+        return serviceaccount.write_dir(
+            self.dir / "serviceaccount",
+            token=str(reply["status"]["token"]),
+            ca=self.runner.ca,
+            namespace=self.namespace,
+        )
 
     def _claim_cdi_ids(self, container: Mapping[str, Any]) -> list[str]:
         annotation = (self.pod["metadata"].get("annotations") or {}).get(CDI_ANNOTATION)
@@ -304,7 +296,7 @@ class PodWorker:
     def pod_ip(self) -> str:
         return str(self.pod.get("status", {}).get("podIP") or "")
 
-    async def _plan(self, state: ContainerState, kubeconfig: Path) -> ContainerPlan:
+    async def _plan(self, state: ContainerState, service_account: Path) -> ContainerPlan:
         spec = state.spec
         env = container_env(self.pod, spec, lookup=None)
         specs = [yaml.safe_load(p.read_text()) for p in self.node.cdi_spec_files()]
@@ -312,7 +304,9 @@ class PodWorker:
         for item in cdi.get("env") or ():
             name, _, value = item.partition("=")
             env[name] = value
-        plan = translate(pod=self.pod, container=spec, env=env, mounts=self._mounts(spec, cdi), free_port=free_port)
+        mounts = self._mounts(spec, cdi)
+        mounts.add(str(serviceaccount.SERVICE_ACCOUNT_DIR), service_account)
+        plan = translate(pod=self.pod, container=spec, env=env, mounts=mounts, free_port=free_port)
         base = {
             "PATH": f"{self.dir / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
             "PYTHONPATH": str(REPO),
@@ -320,7 +314,8 @@ class PodWorker:
             "HOME": str(self.dir),
             "LANG": "C.UTF-8",
         }
-        plan.env = {**base, **plan.env, "KUBECONFIG": str(kubeconfig)}
+        plan.env = {**base, **plan.env, **self.runner.cluster_env}
+        plan.env.pop("KUBECONFIG", None)  # the chart's empty value: in-cluster
         if _kind(plan.program) == "imex-daemon":
             plan.env.update({k: v for k, v in self._imex_wrappers(plan.mounts).items() if k not in plan.env})
         return plan
@@ -467,10 +462,10 @@ class PodWorker:
             return
         try:
             t0 = time.monotonic()
-            kubeconfig = await self._kubeconfig()
+            service_account = await self._service_account()
             t1 = time.monotonic()
             for state in (*self.init_containers, *self.containers):
-                state.plan = await self._plan(state, kubeconfig)
+                state.plan = await self._plan(state, service_account)
             if not await self._run_init():
                 return
             if any(c.spec.get(p) for c in self.containers for p in ("startupProbe", "readinessProbe")):
@@ -588,7 +583,9 @@ class PodRunner:
         self.client = client
         self.topology = topology
         self.images = images
-        self.admin_kubeconfig = admin_kubeconfig
+        admin = yaml.safe_load(admin_kubeconfig.read_text())
+        self.ca = serviceaccount.ca_pem(admin)
+        self.cluster_env = serviceaccount.cluster_env(admin["clusters"][0]["cluster"]["server"])
         self.state_dir = state_dir
         self.hosting = hosting or Hosting()
         self.restart_backoff_s = restart_backoff_s
@@ -614,13 +611,15 @@ class PodRunner:
     async def launch(self, plan: ContainerPlan, container_id: str, log_path: Path) -> Launched:
         kind = _kind(plan.program)
         pool = self.pools.get(kind)
+        service_account = plan.mounts.translate(str(serviceaccount.SERVICE_ACCOUNT_DIR))
+        assert service_account is not None  # _plan mounts it in every container
         if pool is not None and pool.per_host > 1:
-            return await pool.launch(container_id, plan.argv, plan.env, log_path)
+            return await pool.launch(container_id, plan.argv, plan.env, log_path, service_account)
         argv = plan.argv
         if kind == "controller" and self.hosting.controller_scope:
             argv = [sys.executable, "-m", "tests.testbed.sim.podhost", "--one",
                     f"--scope={self.hosting.controller_scope}", "--", *plan.argv]  # fmt: skip
-        return await start_process(argv, plan.env, log_path)
+        return await start_process(serviceaccount.mounted(argv, service_account), plan.env, log_path)
 
     # -- watch
 
