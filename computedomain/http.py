@@ -13,7 +13,9 @@ Every port of ours is reachable from any pod unless a NetworkPolicy says otherwi
 - a connection has `request_deadline_s` from its open, or from its last answer, to deliver a whole request
   head (aiohttp's keep-alive timer runs from the open and does not restart on data): headers trickled a
   byte at a time, or nothing at all, lose the connection then;
-- an answer has `answer_deadline_s` to be computed and taken by the client; a client that does not read it
+- an answer has `answer_deadline_s` to be computed and taken by the client (every byte of it handed to the
+  kernel: the connection's write buffer is zero, so an answer smaller than asyncio's usual 64 KiB buffer
+  cannot sit unsent past the deadline, nor hold a closing connection open); a client that does not read it
   loses the connection;
 - GET and HEAD only, and no body: a request that announces one is answered 413 and its connection closed
   unread; request and header lines of at most 4 KiB, at most 32 headers (aiohttp's C parser decodes the
@@ -205,6 +207,10 @@ class _Gate(asyncio.Protocol):
         if handler is None:
             transport.abort()  # RST: the descriptor is free at once (no TIME_WAIT, nothing to read)
             return
+        # No bytes wait in our buffer: a write returns only when the kernel took all of it, so an answer the
+        # client does not read meets the answer deadline however small it is, and a close never waits on a
+        # buffer the client will not drain (asyncio's `close()` flushes first, with no deadline).
+        transport.set_write_buffer_limits(high=0)
         transport.set_protocol(handler)
         handler.connection_made(transport)
 

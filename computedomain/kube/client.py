@@ -592,7 +592,7 @@ class KubeClient:
                 API_LATENCY.labels(verb, resource).observe(time.perf_counter() - start)
             if status == 401 and not renewed and await self.credentials.auth.rejected(sent):
                 continue
-            if status >= 400:
+            if not 200 <= status < 300:  # a redirect is not followed (nor its body taken for the object)
                 raise error_from_response(status, body, retry_after_header=resp_headers.get("Retry-After"))
             return body
         raise AssertionError("unreachable")
@@ -877,7 +877,7 @@ class KubeClient:
         try:
             if resp.status == 401:
                 await self.credentials.auth.rejected(resp.request_info.headers.get("Authorization"))
-            if resp.status >= 400:
+            if not 200 <= resp.status < 300:
                 data = await _read_body(resp, MAX_OBJECT_BYTES)
                 error = error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
                 raise error.for_request("watch", resource.qualified, namespace)

@@ -29,8 +29,9 @@ minimal wrap of its server's protocol factory (`_BoundedServer`, `_Connection`):
 `SETTINGS_MAX_CONCURRENT_STREAMS`, a header list bound and a header block bound (`_Frames`: h2 joins up to
 1 MiB of CONTINUATION frames, which hpack would decode at ~1.5 µs a byte); the socket is read `read_bytes` at a
 time, and not at all while the peer does not read what we write; a connection with no call in progress is
-closed (GOAWAY) `idle_s` after its open or its last call, and one whose request message has not arrived
-`request_s` after its headers; a request longer than `max_message_bytes` is refused from its length prefix,
+closed (GOAWAY; reset when the peer has left what we wrote unread) `idle_s` after its open or its last call,
+one whose request message has not arrived `request_s` after its headers, and one that has not taken an answer
+message `request_s` after it was ready (a peer that opens no flow-control window) is reset; a request longer than `max_message_bytes` is refused from its length prefix,
 unread (grpclib's own `recv_message` buffers whatever length is declared). So what is decoded on the event
 loop from the health port stays small: at most 1 KiB of frames per read, a header block of 1 KiB, a message of
 512 bytes (microseconds for protobuf's upb). Health Checks share one self-check at a time, so the health port
@@ -333,12 +334,22 @@ class _Connection(asyncio.BufferedProtocol):
         self._arm()
 
     def close(self) -> None:
-        """GOAWAY, then close: a grpc client dials again for its next call."""
+        """GOAWAY, then close: a grpc client dials again for its next call. A peer that does not read what we
+        wrote (a flood of PINGs never read leaves their ACKs behind) is reset instead: asyncio's `close()`
+        would wait for the peer to take those bytes, with no deadline, and keep the slot."""
         if self._grpc is not None and self._transport is not None and not self._transport.is_closing():
             with contextlib.suppress(Exception):
                 self._grpc.connection._connection.close_connection()
                 self._grpc.connection.flush()
-            self._transport.close()
+            if self._transport.get_write_buffer_size():
+                self._transport.abort()
+            else:
+                self._transport.close()
+
+    def abort(self) -> None:
+        """Reset at once (a call whose answer the peer would not take in time)."""
+        if self._transport is not None:
+            self._transport.abort()
 
     def _arm(self) -> None:
         if self.calls == 0 and self._transport is not None:
@@ -451,6 +462,21 @@ async def _receive(stream: Stream[Any, Any], message_type: type[Message]) -> Any
         raise GRPCError(Status.INTERNAL, f"the request is not a {message_type.DESCRIPTOR.full_name}: {exc}") from exc
 
 
+async def _send(stream: Stream[Any, Any], reply: Any) -> None:
+    """One reply message, taken by the peer within the connection's `request_s`: a peer that opens no
+    flow-control window (SETTINGS_INITIAL_WINDOW_SIZE 0) would otherwise hold the call, so its connection,
+    for good. Past the deadline the connection is reset."""
+    connection = _connection_of(stream)
+    try:
+        async with asyncio.timeout(connection._bounds.request_s):
+            await stream.send_message(reply)
+    except TimeoutError:
+        connection.abort()
+        raise GRPCError(
+            Status.DEADLINE_EXCEEDED, f"the answer was not taken within {connection._bounds.request_s:g}s"
+        ) from None
+
+
 @contextlib.asynccontextmanager
 async def _told_when_stopped(calls: _Calls, stream: Stream[Any, Any]) -> AsyncIterator[None]:
     """A call cancelled by stop() ends with UNAVAILABLE on the wire. grpclib would only cancel the handler and
@@ -491,7 +517,7 @@ def _mapping(calls: _Calls, methods: Sequence[_Method], servicer: object) -> dic
                 with _in_progress(stream):
                     async with _told_when_stopped(calls, stream):
                         async for reply in impl(request):
-                            await stream.send_message(reply)
+                            await _send(stream, reply)
 
             cardinality = Cardinality.UNARY_STREAM
         else:
@@ -502,7 +528,7 @@ def _mapping(calls: _Calls, methods: Sequence[_Method], servicer: object) -> dic
                     with _in_progress(stream):
                         async with _told_when_stopped(calls, stream):
                             reply = await impl(request)
-                        await stream.send_message(reply)
+                        await _send(stream, reply)
 
             cardinality = Cardinality.UNARY_UNARY
         table[method.path] = Handler(serve, cardinality, request_type, method.reply)

@@ -298,6 +298,9 @@ class LocalCluster:
                 # ConfigMaps bypass the watch cache, so tests can make a resourceVersion expire for real
                 # (compact etcd -> 410 Gone); nothing of this service watches ConfigMaps.
                 "--watch-cache-sizes=configmaps#0",
+                # The DRA beta versions, as clusters that ran DRA before v1 still serve them: the admission
+                # policies must judge a claim or slice sent in any served version.
+                "--runtime-config=resource.k8s.io/v1beta1=true,resource.k8s.io/v1beta2=true",
                 "--allow-privileged=true", f"--enable-priority-and-fairness={str(self.priority_and_fairness).lower()}",
                 "--v=1",
             ], f"https://127.0.0.1:{ports['apiserver']}/readyz"),

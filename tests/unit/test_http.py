@@ -200,6 +200,42 @@ async def test_a_client_that_does_not_read_the_answer_loses_the_connection() -> 
         await runner.cleanup()
 
 
+async def test_small_answers_left_unread_do_not_hold_the_connection() -> None:
+    """Pipelined requests whose small answers the client never reads: once the kernel's buffers are full the
+    server holds a few bytes it cannot send. asyncio's close() would wait for them forever (the keep-alive
+    close has no deadline), so a handful of such clients would hold every connection slot; the answer
+    deadline covers every byte, so the connection goes."""
+    runner = await start_http(
+        "127.0.0.1:0", metrics_path="", limits=Limits(request_deadline_s=0.3, answer_deadline_s=0.5)
+    )
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", bound_port(runner)))
+
+        def unsent() -> int:
+            handler = next(iter(runner.server._peers), None)
+            transport = handler.transport if handler is not None else None
+            return transport.get_write_buffer_size() if transport is not None else 0
+
+        for _ in range(2000):  # until the server has bytes it cannot hand to the kernel
+            await asyncio.wait_for(loop.sock_sendall(sock, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 20), 5)
+            await asyncio.sleep(0.01)
+            if unsent():
+                break
+        assert unsent(), "the kernel's buffers never filled"
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not runner.server.open_connections:
+                break
+        assert runner.server.open_connections == 0
+    finally:
+        sock.close()
+        await runner.cleanup()
+
+
 async def test_a_flood_of_scrapes_costs_one_render_per_interval() -> None:
     registry = CollectorRegistry()
     renders: list[int] = []

@@ -136,6 +136,17 @@ def _claim(kind: str, request: dict[str, Any], params: dict[str, Any] | None) ->
     }
 
 
+def _in_version(body: dict[str, Any], version: str) -> dict[str, Any]:
+    """`body` (a v1 claim or template of `_claim`) as `version` sends it: v1beta2 has v1's shape, v1beta1 puts
+    an exact request's fields beside its name (no `exactly`)."""
+    out = json.loads(json.dumps(body))
+    out["apiVersion"] = f"resource.k8s.io/{version}"
+    if version == "v1beta1":
+        spec = out["spec"] if out["kind"] == "ResourceClaim" else out["spec"]["spec"]
+        spec["devices"]["requests"] = [{"name": r["name"], **r.get("exactly", {}), **{k: v for k, v in r.items() if k not in ("name", "exactly")}} for r in spec["devices"]["requests"]]  # fmt: skip
+    return out
+
+
 def _params(kind: str, domain: str) -> dict[str, Any]:
     return {"apiVersion": "resource.nvidia.com/v1beta1", "kind": kind, "domainID": domain}
 
@@ -205,6 +216,16 @@ def test_tenant_cannot_claim_a_daemon_device(installed: Installed) -> None:
         code, out = _kubectl(tenant, "create", "-f", "-", body=_claim(kind, request, params))
         assert code != 0 and f"{field}: the IMEX daemon device" in out and reserved in out, out
         assert "forbidden" in out.lower()
+    # The beta versions the apiserver serves are judged as v1 (matchPolicy Equivalent), v1beta1's shape
+    # without `exactly` included.
+    for version in ("v1beta1", "v1beta2"):
+        for kind, request, params, field in attacks[:4]:
+            code, out = _kubectl(tenant, "create", "-f", "-", body=_in_version(_claim(kind, request, params), version))
+            assert code != 0 and f"{field}: the IMEX daemon device" in out and reserved in out, (version, out)
+    code, out = _kubectl(
+        tenant, "create", "-f", "-", body=_in_version(_claim("ResourceClaim", other_request, None), "v1beta1")
+    )
+    assert code == 0, out  # the conversion itself refuses nothing
     # Not even a cluster admin may make daemon claims by hand in the daemons' namespace ...
     code, out = c.create(_claim("ResourceClaim", daemon_request, daemon_config), s.ns)
     assert code != 0 and "may create ResourceClaims for the IMEX daemon device, not " in out, out
@@ -260,6 +281,9 @@ def test_tenant_cannot_hold_a_channel_device_without_a_domain(installed: Install
     for kind, request, params, field in attacks:
         code, out = _kubectl(tenant, "create", "-f", "-", body=_claim(kind, request, params))
         assert code != 0 and f"{field}: {rule}" in out and "forbidden" in out.lower(), out
+        for version in ("v1beta1", "v1beta2"):
+            code, out = _kubectl(tenant, "create", "-f", "-", body=_in_version(_claim(kind, request, params), version))
+            assert code != 0 and f"{field}: {rule}" in out, (version, out)
     # Not even a cluster admin, in the domain's own namespace ...
     code, out = c.create(_claim("ResourceClaim", channel, config), s.workload_ns)
     assert code != 0 and rule in out and "may create ResourceClaims of a channel DeviceClass, not " in out, out

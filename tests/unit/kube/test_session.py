@@ -113,6 +113,24 @@ async def test_a_write_refused_with_429_goes_again() -> None:
     assert [r.method for r in fake.requests] == ["POST", "POST"]
 
 
+@pytest.mark.parametrize("status", [301, 307, 308])
+async def test_a_redirect_is_an_error_not_the_object(status: int) -> None:
+    """A 3xx (not followed: the token would go to the new address) was taken as success, its empty body as the
+    object written."""
+    async with ApiStub() as fake:
+        fake.replies = [Reply(status=status, body=b"", headers=[("Location", "https://elsewhere.example/")])] * 2
+        client = _client(fake.url)
+        try:
+            with pytest.raises(errors.KubeError) as caught:
+                await client.merge_patch(PODS, "p", {"metadata": {"labels": {"a": "b"}}}, namespace="ns")
+            with pytest.raises(errors.KubeError):
+                [_ async for _ in client.watch(PODS, namespace="ns")]
+        finally:
+            await client.close()
+    assert caught.value.status == status
+    assert [r.method for r in fake.requests] == ["PATCH", "GET"], "sent once each, to the server asked"
+
+
 async def test_a_write_that_found_no_server_goes_again() -> None:
     client = _client("http://127.0.0.1:1", max_attempts=2)
     try:

@@ -18,6 +18,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
 import pytest
 
 from computedomain.plugin.grpc_server import (
@@ -663,3 +664,62 @@ async def test_a_call_whose_message_stalls_loses_its_connection(preparer: FakePr
             assert client.closed
         finally:
             client.close()
+
+
+async def test_an_answer_the_peer_never_lets_through_loses_the_connection(bounded: PluginServer) -> None:
+    """A Check from a peer whose flow-control window is 0 (SETTINGS_INITIAL_WINDOW_SIZE): the answer can never
+    be sent, and a call in progress stops the idle deadline; the connection is reset at the request deadline
+    (0.5 s here). The previous server held it, and its slot, for good."""
+    assert bounded.health_port
+    client = await RawClient.connect(bounded.health_port)
+    try:
+        client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        client.h2.send_headers(1, GRPC_HEADERS)
+        message = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+        client.h2.send_data(1, b"\x00" + len(message).to_bytes(4, "big") + message, end_stream=True)
+        await client.flush()
+        await asyncio.wait_for(client.read_until(lambda _: False), 10)
+        assert client.closed
+        assert not any(isinstance(e, h2.events.DataReceived) for e in client.events)
+    finally:
+        client.close()
+    assert await _health(bounded.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_pings_never_read_do_not_hold_the_connection(preparer: FakePreparer, paths: SocketPaths) -> None:
+    """A flood of PINGs whose ACKs the peer never reads: the server stops reading and holds the unsent ACKs;
+    at the idle deadline (3 s here, time for the flood to fill the buffers) the connection is reset, not
+    closed after a flush that never comes (the previous server kept it for good)."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=3.0)
+    bounded = PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds)
+    await bounded.start()
+    assert bounded.health_port
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", bounded.health_port))
+        hello = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        hello.initiate_connection()
+        await loop.sock_sendall(sock, hello.data_to_send())
+        ping = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"12345678"  # a PING frame
+        served = bounded._servers["health"]
+        stalled = False
+        for _ in range(400):  # until the server holds ACKs it cannot send (it then stops reading)
+            with contextlib.suppress(BlockingIOError):
+                sock.send(ping * 256)
+            await asyncio.sleep(0.005)
+            held = next(iter(served.open), None)
+            if held is not None and held._transport is not None and held._transport.get_write_buffer_size():
+                stalled = True
+                break
+        assert stalled, "the server never held unsent bytes"
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not served.open:
+                break
+        assert not served.open
+    finally:
+        sock.close()
+        await bounded.stop(grace_s=0)
