@@ -218,7 +218,7 @@ async def run(bench: Bench) -> None:
                 with bench.step(f"round {index + 1}: starting the controller with channel isolation [{lim.label}]"):
                     driver_ns = await bench.namespace("chdrv")
                     cd_ns = await bench.namespace("chcd")
-                    account = await bench.controller_service_account()
+                    account = await bench.service_account()
                     ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, account, extra=ISOLATION_ENV)
                 try:
                     await ctl.ready()

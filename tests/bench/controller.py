@@ -138,7 +138,7 @@ def per_limits(section: Section, all_limits: list[Limits], make: Callable[[Limit
 
 class ControllerProcess:
     """`python -m tests.cluster.controller.proc`: the controller's entry point, limited to one namespace, with
-    a pod's credentials at the in-pod path (`Bench.controller_service_account`)."""
+    a pod's credentials at the in-pod path (`Bench.service_account`)."""
 
     def __init__(
         self,
@@ -494,7 +494,7 @@ async def startup_round(bench: Bench, client: KubeClient, driver_ns: str, cd_ns:
     try:
         await cds.has_synced()
         await client.create(COMPUTE_DOMAINS, cd_body(name, cd_ns))
-        ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, await bench.controller_service_account())
+        ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, await bench.service_account())
         with contextlib.suppress(TimeoutError):
             await wait_for(lambda: name in seen, 60, "the first reconcile's write")
         return ctl, (seen[name] - ctl.started if name in seen else None)

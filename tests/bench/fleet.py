@@ -201,7 +201,7 @@ async def run(bench: Bench) -> None:
         for lim in all_limits:
             f = {k: v[lim.name] for k, v in figures.items()}
             with bench.step(f"{lim.name}: starting the controller"):
-                ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, await bench.controller_service_account())
+                ctl = ControllerProcess(bench, driver_ns, cd_ns, lim, await bench.service_account())
             try:
                 await ctl.ready()
                 t_first = time.monotonic()

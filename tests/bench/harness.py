@@ -53,7 +53,7 @@ class Bench:
         self._clients: list[KubeClient] = []
         self._namespaces: list[str] = []
         self._bindings: list[str] = []
-        self._controller_account: Path | None = None
+        self._account: Path | None = None
 
     # -- sizes
 
@@ -81,14 +81,14 @@ class Bench:
         self._namespaces.append(name)
         return name
 
-    async def controller_service_account(self) -> Path:
-        """The credentials the benchmarked controller runs with, as a pod of it would: a ServiceAccount's
-        token (bound to cluster-admin) and the cluster's CA in a directory that `ControllerProcess` mounts at
-        the in-pod path (`tests.testbed.serviceaccount`), so the process takes a pod's in-cluster path and
-        never imports the kubeconfig loader. On a control plane with API Priority and Fairness its requests
+    async def service_account(self) -> Path:
+        """The credentials the benchmarked processes (the controller, the node agent) run with, as a pod of
+        theirs would: a ServiceAccount's token (bound to cluster-admin) and the cluster's CA in a directory
+        that they mount at the in-pod path (`tests.testbed.serviceaccount.mounted`), so each takes a pod's
+        in-cluster path and never imports the kubeconfig loader. On a control plane with API Priority and Fairness its requests
         are classified as an in-cluster controller's are (FlowSchema service-accounts, priority level
         workload-low)."""
-        if self._controller_account is None:
+        if self._account is None:
             ns = await self.namespace("sa")
             name = "bench-controller"
             binding = f"bench-controller-{self.tag}"
@@ -99,11 +99,11 @@ class Bench:
             token = (await asyncio.to_thread(self.local.kubectl, "create", "token", name, "-n", ns,
                                              "--duration=24h")).stdout.strip()  # fmt: skip
             admin = json.loads(self.local.kubeconfig.read_text())
-            self._controller_account = serviceaccount.write_dir(
+            self._account = serviceaccount.write_dir(
                 self.local.root / f"bench-controller-{self.tag}.serviceaccount",
                 token=token, ca=serviceaccount.ca_pem(admin), namespace=ns,
             )  # fmt: skip
-        return self._controller_account
+        return self._account
 
     @contextlib.contextmanager
     def step(self, what: str) -> Iterator[None]:
@@ -133,8 +133,8 @@ class Bench:
                 await asyncio.to_thread(
                     self.local.kubectl, "delete", "clusterrolebinding", binding, "--ignore-not-found"
                 )
-        if self._controller_account is not None:
-            shutil.rmtree(self._controller_account, ignore_errors=True)
+        if self._account is not None:
+            shutil.rmtree(self._account, ignore_errors=True)
         for c in self._clients:
             await c.close()
         self._clients.clear()

@@ -44,6 +44,7 @@ from computedomain.plugin.preparer import ClaimRef, ClaimUid
 from imex.host_check import check_host_imex_ready
 from tests.bench.figures import Figure, Target
 from tests.bench.harness import Bench, cd_body
+from tests.testbed import serviceaccount
 from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
 from tests.testbed.imex_simulator.wrappers import install_wrappers, package_root
 from tests.testbed.kubelet_client import KubeletClient
@@ -264,8 +265,10 @@ async def bench_cluster(bench: Bench, samples: int) -> Sample:
             "metadata": {"name": f"{uid}.{clique}", "namespace": ns}, "daemons": [entry]})  # fmt: skip
         tray = SimulatedClique(cluster_uuid=CLUSTER_UUID, clique_id=1)
         write_fake_driver_root(root / "driver", SimulatedNode(name=node, clique=tray))
+        account = await bench.service_account()  # the agent takes a pod's in-cluster path
         env = {
-            **os.environ, "NODE_NAME": node, "KUBECONFIG": str(bench.local.kubeconfig), "NAMESPACE": ns,
+            **{k: v for k, v in os.environ.items() if k != "KUBECONFIG"}, **serviceaccount.cluster_env(bench.local.server),
+            "NODE_NAME": node, "NAMESPACE": ns,
             "KUBELET_REGISTRAR_DIRECTORY_PATH": str(root / "reg"), "KUBELET_PLUGINS_DIRECTORY_PATH": str(root / "plugins"),
             "CDI_ROOT": str(root / "cdi"), "NVIDIA_DRIVER_ROOT": str(root / "driver"),
             "PROC_ROOT": str(root / "driver/proc"), "HEALTHCHECK_PORT": "-1",
@@ -277,9 +280,8 @@ async def bench_cluster(bench: Bench, samples: int) -> Sample:
         with bench.step("starting the node agent"):
             log_path = root / "node-agent.log"  # a file, not a pipe that fills up and stops the agent
             with log_path.open("ab") as log:
-                proc = subprocess.Popen(  # noqa: ASYNC220
-                    [sys.executable, "-m", "computedomain", "kubelet-plugin"], cwd=REPO, env=env, stderr=log
-                )
+                argv = serviceaccount.mounted([sys.executable, "-m", "computedomain", "kubelet-plugin"], account)
+                proc = subprocess.Popen(argv, cwd=REPO, env=env, stderr=log)  # noqa: ASYNC220
             sock = root / "reg" / f"{DRIVER_NAME}-reg.sock"
             deadline = time.monotonic() + 60
             while not sock.exists():

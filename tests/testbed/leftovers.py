@@ -10,6 +10,9 @@ the namespaces, the node trees) and prints one line saying so. A record of a liv
 parallel runs share the cluster. When the cluster itself is stopped, only the processes and files remain
 to remove.
 
+A process of a test session that only runs a kwok of its own (the node agent tests' stand-in kwok) records
+just that: a record with no release, namespaces, nodes or root.
+
 Real nodes keep a record of their own (`tests.testbed.realnode.nodes`, taken down by their next `up`), and
 the CRDs and DeviceClasses are taken over by `LocalCluster.install_base` whoever wrote them.
 """
@@ -72,11 +75,16 @@ class SimRecord:
         except (OSError, ValueError, TypeError):
             return None
 
+    def namespaces(self) -> list[str]:
+        return sorted({ns for ns in (self.driver_ns, self.workload_ns) if ns})
+
     def owner_alive(self) -> bool:
         return alive(self.pid, self.start)
 
     def summary(self) -> str:
-        names = sorted({self.driver_ns, self.workload_ns})
+        names = self.namespaces()
+        if not names:
+            return "its kwok" if self.kwok_pid else "nothing"
         return (
             f"release {self.release} in {self.driver_ns}, {len(self.nodes)} nodes, "
             f"namespace{'s' if len(names) > 1 else ''} {' and '.join(names)}"
@@ -117,12 +125,13 @@ def reclaim(local: LocalCluster, *, cluster_running: bool = True) -> list[SimRec
     for path, record in stale(read_records(local)).items():
         if record is not None:
             _stop_process(record.kwok_pid, record.kwok_start)
-            for pid in processes_of(Path(record.root)):
-                _stop_group(pid)
+            if record.root:  # an empty root would name every process of the machine
+                for pid in processes_of(Path(record.root)):
+                    _stop_group(pid)
+                _remove_tree(Path(record.root))
             if cluster_running:
                 _remove_objects(local, record)
                 log(f"removed what a killed run (pid {record.pid}) left on the cluster: {record.summary()}")
-            _remove_tree(Path(record.root))
             done.append(record)
         path.unlink(missing_ok=True)
     return done
@@ -167,13 +176,14 @@ def _stop_process(pid: int | None, start: int | None, grace: float = 10.0) -> No
 
 
 def _remove_objects(local: LocalCluster, record: SimRecord) -> None:
-    namespaces = sorted({record.driver_ns, record.workload_ns})
-    # Without hooks: the hooks' Jobs would need the simulated nodes' pod runner, gone with the run.
-    subprocess.run(
-        [str(local.root / "bin" / "helm"), f"--kubeconfig={local.kubeconfig}", "uninstall", record.release,
-         "--namespace", record.driver_ns, "--no-hooks", "--ignore-not-found"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    namespaces = record.namespaces()
+    if record.release:
+        # Without hooks: the hooks' Jobs would need the simulated nodes' pod runner, gone with the run.
+        subprocess.run(
+            [str(local.root / "bin" / "helm"), f"--kubeconfig={local.kubeconfig}", "uninstall", record.release,
+             "--namespace", record.driver_ns, "--no-hooks", "--ignore-not-found"],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
     for ns in namespaces:
         for kind in FINALIZED_KINDS:
             names = local.kubectl("get", kind, "-n", ns, "-o", "name", check=False).stdout.split()
@@ -193,9 +203,10 @@ def _remove_objects(local: LocalCluster, record: SimRecord) -> None:
             ]
             if slices:
                 local.kubectl("delete", "resourceslices", *slices, "--ignore-not-found", check=False)
-    # Waited for: a next run of the same names (the demo's) creates these namespaces again.
-    local.kubectl("delete", "namespaces", *namespaces, "--ignore-not-found", "--wait=true", "--timeout=120s",
-                  check=False)  # fmt: skip
+    if namespaces:
+        # Waited for: a next run of the same names (the demo's) creates these namespaces again.
+        local.kubectl("delete", "namespaces", *namespaces, "--ignore-not-found", "--wait=true", "--timeout=120s",
+                      check=False)  # fmt: skip
 
 
 def _remove_tree(root: Path) -> None:

@@ -142,7 +142,7 @@ class DaemonNode:
 
     def sim_status(self) -> dict[str, Any] | None:
         try:
-            return asyncio.run(asyncio.wait_for(query_status((self.ip, 50005)), 5))
+            return query_status((self.ip, 50005), 5)
         except Exception:
             return None
 

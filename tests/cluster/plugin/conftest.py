@@ -36,6 +36,7 @@ from computedomain.controller.claim_templates import holder_selector
 from computedomain.kube.client import KubeClient
 from computedomain.plugin.checkpoint import CheckpointStore
 from tests.conftest import REPO, Cluster
+from tests.testbed import leftovers
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION, KWOK_STAGES, LocalCluster, free_port
 from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
 from tests.testbed.kubelet import KubeletStandIn
@@ -86,9 +87,13 @@ def running_standin_kwok(local: LocalCluster) -> Iterator[None]:
         stdin=subprocess.DEVNULL,
     )
     log.close()
-    time.sleep(1.0)
-    assert proc.poll() is None, "the stand-in kwok exited at start; see .cluster/logs/kwok-standin-*.log"
+    # A run killed before its teardown leaves this kwok: the record lets the next command stop it.
+    record = leftovers.SimRecord(id=f"standin-kwok-{os.getpid()}", release="", driver_ns="", workload_ns="",
+                                 nodes=[], root="", kwok_pid=proc.pid, kwok_start=leftovers.start_time(proc.pid))  # fmt: skip
+    leftovers.register(local, record)
     try:
+        time.sleep(1.0)
+        assert proc.poll() is None, "the stand-in kwok exited at start; see .cluster/logs/kwok-standin-*.log"
         yield
     finally:
         proc.terminate()
@@ -97,6 +102,7 @@ def running_standin_kwok(local: LocalCluster) -> Iterator[None]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        leftovers.unregister(local, record.id)
 
 
 async def eventually(

@@ -7,21 +7,29 @@ status once (``-j`` for JSON); ``--sim-status`` (simulator only) prints the daem
 as JSON: node ID, per-slot links, signal counters. ``-t <ms>`` bounds the whole exchange (default 5000).
 
 When the daemon cannot be reached, ``-q`` prints ``UNAVAILABLE`` and a reason and exits 1.
+
+Where it differs from the real binary: it is a Python program, so each run pays an interpreter start. To keep
+that near the C binary's few milliseconds it stays on blocking sockets and the standard library's cheapest
+modules (no asyncio, which alone costs 50-90 ms to import on the shared cores; the config parser only for
+``-c``): the node agent runs it for every hostManaged Prepare, and what the benchmarks measure there should
+be the agent's cost, not the stand-in's.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from imex.config import ImexConfig, ImexConfigError
-from imex.host_check import ImexState
-from tests.testbed.imex_simulator import wire
+from tests.testbed.imex_simulator.wire import MAX_LINE, ProtocolError
 
+# What the real ctl prints when the daemon cannot be reached (`imex.host_check.ImexState.UNAVAILABLE`, not
+# imported: that module loads asyncio).
+UNAVAILABLE = "UNAVAILABLE"
 DEFAULT_CONFIG = "/etc/nvidia-imex/config.cfg"
 
 
@@ -29,23 +37,49 @@ class UnreachableError(Exception):
     pass
 
 
-async def query_status(target: tuple[str, int] | str) -> dict[str, Any]:
+class ConfigError(Exception):
+    """The config named by ``-c`` cannot be read or parsed."""
+
+
+def query_status(target: tuple[str, int] | str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The daemon's status document, the whole exchange within `timeout_s` (`TimeoutError` after it)."""
+    deadline = time.monotonic() + timeout_s
     try:
         if isinstance(target, str):
-            reader, writer = await asyncio.open_unix_connection(target)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(target)
+            except BaseException:
+                sock.close()
+                raise
         else:
-            reader, writer = await asyncio.open_connection(*target)
+            sock = socket.create_connection(target, timeout=timeout_s)
+    except TimeoutError:
+        raise
     except OSError as exc:
         raise UnreachableError(
             f"cannot connect to the IMEX command service at {_show(target)}: {exc.strerror or exc}"
         ) from None
-    try:
-        await wire.send(writer, {"cmd": "status"})
-        answer = await wire.receive(reader)
-    finally:
-        await wire.close(writer)
-    if answer is None:
+    with sock:
+        sock.sendall(b'{"cmd":"status"}\n')
+        line = b""
+        while not line.endswith(b"\n"):
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            line += chunk
+            if len(line) > MAX_LINE:
+                raise ProtocolError(f"an answer longer than {MAX_LINE} bytes from {_show(target)}")
+    if not line:
         raise UnreachableError(f"IMEX command service at {_show(target)} closed the connection")
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        raise ProtocolError(f"not JSON: {line[:80]!r}") from None
+    if not isinstance(answer, dict):
+        raise ProtocolError(f"not a JSON object: {line[:80]!r}")
     return answer
 
 
@@ -58,8 +92,13 @@ def _target(args: argparse.Namespace) -> tuple[str, int] | str:
         return str(args.unix)
     if args.ip:
         return (args.ip[0], int(args.ip[1]))
+    from imex.config import ImexConfig, ImexConfigError  # only here: the `-q -u` of every Prepare never needs it
+
     config = args.config or DEFAULT_CONFIG
-    cfg = ImexConfig.parse(Path(config).read_text(encoding="utf-8"), source=config)
+    try:
+        cfg = ImexConfig.parse(Path(config).read_text(encoding="utf-8"), source=config)
+    except (OSError, ImexConfigError) as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.cmd_bind_ip:
         return (cfg.cmd_bind_ip, cfg.cmd_port)
     if cfg.cmd_unix_domain_path:
@@ -95,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("one of -q, -N, --sim-status is required")
     try:
         target = _target(args)
-        status = asyncio.run(asyncio.wait_for(query_status(target), args.timeout_ms / 1000))
-    except (OSError, ImexConfigError) as exc:
+    except ConfigError as exc:
         print(f"nvidia-imex-ctl (simulated): {exc}", file=sys.stderr)
         return 1
-    except (UnreachableError, TimeoutError, wire.ProtocolError) as exc:
+    try:
+        status = query_status(target, args.timeout_ms / 1000)
+    except (UnreachableError, ProtocolError, OSError) as exc:  # OSError: TimeoutError, a reset mid-answer
         if args.query:
-            print(ImexState.UNAVAILABLE)
+            print(UNAVAILABLE)
         print(f"{exc or 'timed out waiting for the IMEX command service'}", file=sys.stderr)
         return 1
     if args.sim_status:
@@ -109,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.domain_once:
         _print_domain(status, args.json)
     else:
-        print(status.get("state", ImexState.UNAVAILABLE))
+        print(status.get("state", UNAVAILABLE))
     return 0
 
 

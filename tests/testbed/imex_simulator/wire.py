@@ -8,10 +8,12 @@ either side sends ``bye`` (graceful shutdown) or the connection drops. Command s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # not at run time: the ctl shares this module and must start without asyncio
+    import asyncio
 
 MAX_LINE = 1 << 20
 

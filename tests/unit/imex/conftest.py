@@ -3,7 +3,6 @@ driver root for chroot tests built from read-only bind mounts of what Python nee
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -51,7 +50,7 @@ class SimNode:
     def status(self) -> dict[str, Any] | None:
         """The daemon's status document, or None while it cannot be reached."""
         try:
-            return asyncio.run(asyncio.wait_for(query_status((self.ip, 50005)), 5))
+            return query_status((self.ip, 50005), 5)
         except (OSError, TimeoutError, Exception):
             return None
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from imex.hosts_file import SENTINEL_ADDRESS
 from tests.unit.imex.conftest import SimDomain, dump_logs, send_signal, wait_until
@@ -275,3 +278,23 @@ def test_ctl_reports_unavailable_without_daemon(sim_bin: object, tmp_path: objec
     assert out.returncode == 1
     assert out.stdout == "UNAVAILABLE\n"
     assert "cannot connect" in out.stderr
+
+
+def test_ctl_gives_up_on_a_daemon_that_never_answers_and_loads_no_asyncio(sim_bin: object, tmp_path: Path) -> None:
+    # A command socket that accepts and then says nothing: -q must end at its -t deadline, as UNAVAILABLE.
+    sock_path = tmp_path / "mute.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(sock_path))
+    server.listen(1)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "tests.testbed.imex_simulator.ctl",
+             "-q", "-u", str(sock_path), "-t", "300"],
+            capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[3],
+        )  # fmt: skip
+    finally:
+        server.close()
+    assert (out.returncode, out.stdout) == (1, "UNAVAILABLE\n"), out.stderr
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "asyncio" not in imported  # each hostManaged Prepare runs it: its start must stay cheap
+    assert "timed out" in out.stderr

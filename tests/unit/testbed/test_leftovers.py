@@ -84,6 +84,26 @@ def test_with_the_cluster_stopped_a_stale_record_goes_with_its_kwok_and_node_tre
         pod.kill()
 
 
+def test_a_killed_sessions_own_kwok_is_stopped_and_nothing_else_is_touched(tmp_path: Path) -> None:
+    local = LocalCluster(tmp_path / "cluster")
+    kwok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    pid, start = dead_pid()
+    leftovers.register(local, SimRecord(id="standin", release="", driver_ns="", workload_ns="", nodes=[], root="",
+                                        pid=pid, start=start, kwok_pid=kwok.pid,
+                                        kwok_start=leftovers.start_time(kwok.pid)))  # fmt: skip
+    try:
+        # With the cluster running: a record that names no release, namespace or node asks nothing of it.
+        done = leftovers.reclaim(local, cluster_running=True)
+        assert [r.summary() for r in done] == ["its kwok"]
+        assert kwok.wait(timeout=15) != 0
+        assert bystander.poll() is None  # an empty root names no process
+        assert list(leftovers.read_records(local)) == []
+    finally:
+        kwok.kill()
+        bystander.kill()
+
+
 def test_the_summary_names_the_release_nodes_and_namespaces() -> None:
     assert record().summary() == "release cd in cd-system, 2 nodes, namespaces cd-system and workloads"
     assert record(workload_ns="cd-system").summary() == "release cd in cd-system, 2 nodes, namespace cd-system"
