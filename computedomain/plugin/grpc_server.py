@@ -65,7 +65,7 @@ from grpclib.server import Server, Stream
 from h2.exceptions import ProtocolError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
-from hyperframe.frame import ContinuationFrame, Frame, HeadersFrame
+from hyperframe.frame import ContinuationFrame, Frame, HeadersFrame, RstStreamFrame
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
 from computedomain.plugin.health import HealthReports
@@ -182,6 +182,11 @@ class Bounds:
     max_header_list_bytes: int = 4096
     #: bytes read from the socket per turn of the event loop: what one turn may decode of frames
     read_bytes: int = 1024
+    #: calls a connection may open, and streams it may reset, over its whole life (None: no bound); a peer
+    #: that resets its streams at once ("rapid reset") would otherwise leave each one registered with grpclib
+    #: until the connection ends, and every later WINDOW_UPDATE or SETTINGS walks all of them
+    streams_per_life: int | None = None
+    resets_per_life: int = 1024
 
 
 #: the TCP health port, which any pod reaches: a message of a service name, few calls, short deadlines
@@ -192,6 +197,8 @@ HEALTH_BOUNDS: Final = Bounds(
     connections_per_peer=8,
     idle_s=5.0,
     request_s=5.0,
+    streams_per_life=16,  # a probe dials for each Check
+    resets_per_life=16,
 )
 #: the kubelet's unix sockets (root on the node reaches them): its messages, its 45 s deadline, its connection
 #: kept across calls (closed when idle for 5 min; grpc-go dials again for the next call)
@@ -210,12 +217,30 @@ KUBELET_BOUNDS: Final = Bounds(
 
 
 class _Frames(FrameBuffer):
-    """h2's frame buffer with a bound on a header block: h2 joins up to 64 CONTINUATION frames (1 MiB) and
-    hpack decodes the block in pure Python, about 1.5 µs a byte when Huffman-coded."""
+    """h2's frame buffer with a bound on a header block (h2 joins up to 64 CONTINUATION frames, 1 MiB, and
+    hpack decodes the block in pure Python, about 1.5 µs a byte when Huffman-coded) and on the streams a
+    connection opens and resets over its life (`Bounds.streams_per_life`, `resets_per_life`)."""
 
-    def __init__(self, max_block: int) -> None:
+    def __init__(self, bounds: Bounds) -> None:
         super().__init__(server=True)
-        self._max_block = max_block
+        self._max_block = bounds.max_header_block_bytes
+        self._streams_left = bounds.streams_per_life
+        self._resets_left = bounds.resets_per_life
+        self._last_stream = 0
+
+    def __next__(self) -> Frame:
+        f = super().__next__()
+        if isinstance(f, HeadersFrame) and f.stream_id > self._last_stream:  # a new call (not its trailers)
+            self._last_stream = f.stream_id
+            if self._streams_left is not None:
+                self._streams_left -= 1
+                if self._streams_left < 0:
+                    raise ProtocolError("more calls than one connection may open")
+        elif isinstance(f, RstStreamFrame):
+            self._resets_left -= 1
+            if self._resets_left < 0:
+                raise ProtocolError("more streams reset than one connection may reset")
+        return f
 
     def _update_header_buffer(self, f: Frame | None) -> Frame | None:
         if isinstance(f, HeadersFrame | ContinuationFrame):
@@ -286,7 +311,7 @@ class _Connection(asyncio.BufferedProtocol):
         grpc = self._server.grpclib_protocol()
         grpc.connection_made(transport)
         h2 = grpc.connection._connection
-        h2.incoming_buffer = _Frames(self._bounds.max_header_block_bytes)
+        h2.incoming_buffer = _Frames(self._bounds)
         h2.decoder.max_header_list_size = self._bounds.max_header_list_bytes
         h2.update_settings(
             {

@@ -246,7 +246,7 @@ async def test_a_record_is_created_only_under_its_domains_name_with_one_claim_of
         "another domain's name": _record(bed, f"{d}.{CLIQUE}", e, [("x", attacker_node)]),
         "no domain label": {
             **_record(bed, f"{d}.{CLIQUE}", d, [("x", attacker_node)]),
-            "metadata": {"name": f"{d}.{CLIQUE}"},
+            "metadata": {"name": f"{d}.{CLIQUE}", "finalizers": [COMPUTE_DOMAIN_FINALIZER]},
         },
         "no claim": _record(bed, f"{d}.{CLIQUE}", d, []),
         "two claims": _record(bed, f"{d}.{CLIQUE}", d, [("x", attacker_node), ("y", attacker_node)]),
@@ -255,6 +255,28 @@ async def test_a_record_is_created_only_under_its_domains_name_with_one_claim_of
         why = await _refused(attacker.create(COMPUTE_DOMAIN_CLIQUES, body, namespace=bed.ns))
         print(f"{what}: {why}")
         assert "may only create the record <ComputeDomain UID>.<clique ID>" in why, (what, why)
+
+
+async def test_a_record_is_created_only_with_the_finalizer_that_keeps_its_channel_and_no_owner(bed: Bed) -> None:
+    """Without the finalizer (or with an owner the token may delete), deleting the record would free its
+    channel at once while the domain's containers still use it: the next domain would get the same one."""
+    _, attacker_node = bed.nodes
+    attacker = bed.agents[attacker_node]
+    d = str(uuid.uuid4())
+    body = _record(bed, f"{d}.{CLIQUE}", d, [("x", attacker_node)])
+    owner = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "name": "s", "uid": str(uuid.uuid4())}
+    cases = {
+        "no finalizer": {**body, "metadata": {**body["metadata"], "finalizers": []}},
+        "another finalizer too": {
+            **body, "metadata": {**body["metadata"], "finalizers": [COMPUTE_DOMAIN_FINALIZER, "example.com/x"]}},
+        "an owner": {**body, "metadata": {**body["metadata"], "ownerReferences": [owner]}},
+    }  # fmt: skip
+    for what, bad in cases.items():
+        why = await _refused(attacker.create(COMPUTE_DOMAIN_CLIQUES, bad, namespace=bed.ns))
+        print(f"{what}: {why}")
+        assert "exactly the finalizer resource.nvidia.com/computeDomain" in why, (what, why)
+    created = await attacker.create(COMPUTE_DOMAIN_CLIQUES, body, namespace=bed.ns)  # the agent's own shape
+    assert created["metadata"]["finalizers"] == [COMPUTE_DOMAIN_FINALIZER]
 
 
 async def test_a_record_gets_a_channel_only_from_a_node_of_its_clique(bed: Bed) -> None:

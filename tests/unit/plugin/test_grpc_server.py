@@ -636,6 +636,29 @@ async def test_a_long_header_block_is_refused_undecoded(server: PluginServer) ->
         client.close()
 
 
+async def test_streams_reset_at_once_lose_the_connection(preparer: FakePreparer, paths: SocketPaths) -> None:
+    """ "Rapid reset": a call's headers and its RST_STREAM, again and again, never exceed the concurrent-stream
+    cap, but grpclib keeps every such stream registered until the connection ends, and each later
+    WINDOW_UPDATE walks them all (thousands per connection: tens of ms of the loop per read). The connection
+    is closed once it has reset more streams than its bounds allow in its life (the idle deadline, 30 s here,
+    is not what closes it); the previous server kept reading them."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0)
+    async with PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds) as srv:
+        assert srv.health_port
+        client = await RawClient.connect(srv.health_port)
+        try:
+            for stream in range(1, 2 * 200, 2):
+                client.h2.send_headers(stream, GRPC_HEADERS)
+                client.h2.reset_stream(stream)
+            with contextlib.suppress(ConnectionError):
+                await client.flush()
+            await asyncio.wait_for(client.read_until(lambda _: False), 10)
+            assert client.closed
+        finally:
+            client.close()
+        assert await _health(srv.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
 async def test_the_cap_on_concurrent_calls_is_advertised(preparer: FakePreparer, paths: SocketPaths) -> None:
     """A gRPC client queues calls beyond the server's SETTINGS_MAX_CONCURRENT_STREAMS (h2's default: 100)."""
     srv = PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1")
