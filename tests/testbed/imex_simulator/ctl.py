@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.testbed.imex_simulator.wire import MAX_LINE, ProtocolError
+from tests.testbed.imex_simulator.wire import MAX_LINE, ProtocolError, decode
 
 # What the real ctl prints when the daemon cannot be reached (`imex.host_check.ImexState.UNAVAILABLE`, not
 # imported: that module loads asyncio).
@@ -74,13 +74,7 @@ def query_status(target: tuple[str, int] | str, timeout_s: float = 5.0) -> dict[
                 raise ProtocolError(f"an answer longer than {MAX_LINE} bytes from {_show(target)}")
     if not line:
         raise UnreachableError(f"IMEX command service at {_show(target)} closed the connection")
-    try:
-        answer = json.loads(line)
-    except ValueError:
-        raise ProtocolError(f"not JSON: {line[:80]!r}") from None
-    if not isinstance(answer, dict):
-        raise ProtocolError(f"not a JSON object: {line[:80]!r}")
-    return answer
+    return decode(line)
 
 
 def _show(target: tuple[str, int] | str) -> str:

@@ -30,8 +30,11 @@ async def send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
 async def receive(reader: asyncio.StreamReader) -> dict[str, Any] | None:
     """The next message, or None at end of stream."""
     line = await reader.readline()
-    if not line:
-        return None
+    return decode(line) if line else None
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """One message line (also the ctl's, which reads its answer without asyncio)."""
     try:
         message = json.loads(line)
     except ValueError:
