@@ -264,11 +264,16 @@ async def test_a_node_agent_may_only_ask_for_a_channel_and_list_its_own_nodes_cl
     )
     worker = sim.runner.worker(sim.driver_ns, agent["metadata"]["name"])
     assert worker is not None
-    kubeconfig = worker.dir / "kubeconfig"
+    account = worker.dir / "serviceaccount"  # the agent pod's own token and CA, as its kubelet mounts them
+    credentials = [
+        f"--server={sim.local.server}", f"--certificate-authority={account / 'ca.crt'}",
+        f"--token={(account / 'token').read_text()}",
+    ]  # fmt: skip
 
     def as_agent(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(sim.local.root / "bin" / "kubectl"), f"--kubeconfig={kubeconfig}", "-n", sim.driver_ns, *args],
+            [str(sim.local.root / "bin" / "kubectl"), "--kubeconfig=/dev/null", *credentials, "-n", sim.driver_ns,
+             *args],
             capture_output=True, text=True, input=input, timeout=60,
         )  # fmt: skip
 
