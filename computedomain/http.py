@@ -20,10 +20,12 @@ Every port of ours is reachable from any pod unless a NetworkPolicy says otherwi
 - GET and HEAD only, and no body: a request that announces one is answered 413 and its connection closed
   unread; request and header lines of at most 4 KiB, at most 32 headers (aiohttp's C parser decodes the
   largest such head in 0.1-0.2 ms; nothing else of a request is decoded but its path); a head that does not
-  parse is answered 400 and not logged as our error;
-- at most `connections` open at once and `connections_per_peer` from one address: a connection beyond either
-  is reset as it is accepted (`computedomain_http_refused_connections_total`), so idle connections cannot
-  exhaust file descriptors;
+  parse is answered 400 and not logged as our error, nor is a client that resets before its answer;
+- at most `connections` open at once and `connections_per_peer` from one address (`computedomain.slots`): a
+  connection beyond either is reset as it is accepted, unless all are taken and it comes from an address
+  holding fewer than the busiest one, whose oldest connection is reset instead
+  (`computedomain_http_refused_connections_total`, by bound); so idle connections cannot exhaust file
+  descriptors, nor a few addresses keep the kubelet's probe out;
 - the metrics are rendered at most once per `metrics_every_s` (`Exposition`): a flood of scrapes costs one
   render per interval.
 
@@ -40,7 +42,6 @@ import asyncio
 import inspect
 import json
 import logging
-from collections import Counter as Tally
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -51,6 +52,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.metrics import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, generate_latest
 from computedomain.settings import EndpointError, parse_endpoint
+from computedomain.slots import Slots
 
 __all__ = [
     "REFUSED",
@@ -76,7 +78,8 @@ TEXT: Final = "text/plain; charset=utf-8"
 
 REFUSED = Counter(
     "computedomain_http_refused_connections_total",
-    "Connections to an HTTP endpoint reset as they were accepted, by the limit they broke.",
+    "Connections to an HTTP endpoint reset by the limit they broke: as they were accepted, or (connections) to give "
+    "their slot to a newcomer from an address holding fewer.",
     ["limit"],
 )
 
@@ -160,9 +163,7 @@ class _BoundedServer(web.Server):
             access_log=None,
             logger=_server_log,
         )
-        self._limits = limits
-        self._peers: dict[web.RequestHandler, str] = {}
-        self._by_peer: Tally[str] = Tally()
+        self.slots: Slots[web.RequestHandler] = Slots(limits.connections, limits.connections_per_peer)
 
     def __call__(self) -> _Gate:  # type: ignore[override]
         return _Gate(self)
@@ -171,28 +172,24 @@ class _BoundedServer(web.Server):
         """A handler for a connection just accepted, or None when it breaks a limit."""
         peername = transport.get_extra_info("peername")
         peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
-        if len(self._peers) >= self._limits.connections:
-            REFUSED.labels("connections").inc()
-            return None
-        if self._by_peer[peer] >= self._limits.connections_per_peer:
-            REFUSED.labels("connections_per_peer").inc()
-            return None
         handler = super().__call__()
-        self._peers[handler] = peer
-        self._by_peer[peer] += 1
+        admission = self.slots.admit(handler, peer)
+        if admission.refused:
+            REFUSED.labels(admission.refused).inc()
+            return None
+        if admission.displaced is not None:
+            REFUSED.labels("connections").inc()
+            if admission.displaced.transport is not None:
+                admission.displaced.transport.abort()
         return handler
 
     def connection_lost(self, handler: web.RequestHandler, exc: BaseException | None = None) -> None:
-        peer = self._peers.pop(handler, None)
-        if peer is not None:
-            self._by_peer[peer] -= 1
-            if not self._by_peer[peer]:
-                del self._by_peer[peer]
+        self.slots.release(handler)
         super().connection_lost(handler, exc)
 
     @property
     def open_connections(self) -> int:
-        return len(self._peers)
+        return len(self.slots)
 
 
 class _Gate(asyncio.Protocol):
@@ -253,8 +250,9 @@ class HttpServer:
                 await response.prepare(request)
                 await response.write_eof()
                 return response
-        except TimeoutError:
-            # Not computed or not taken in time: drop the connection (aiohttp then writes nothing more).
+        except (TimeoutError, ConnectionError):
+            # Not computed or not taken in time, or the client reset the connection meanwhile (any pod can, as
+            # often as it likes: not our error, not logged): drop the connection, aiohttp then writes nothing.
             if request.transport is not None:
                 request.transport.abort()
             return web.Response(status=503)

@@ -25,7 +25,9 @@ Every socket is bounded (`Bounds`; `HEALTH_BOUNDS` for the TCP health port, whic
 `KUBELET_BOUNDS` for the unix sockets, sized from the kubelet's own limits: grpc's 4 MiB message, its 45 s
 deadline). grpclib 0.4.9 has settings for the flow-control windows only (`Configuration`); the rest is a
 minimal wrap of its server's protocol factory (`_BoundedServer`, `_Connection`): a connection beyond
-`connections` (or `connections_per_peer` from one address) is reset as it is accepted; h2's connection gets
+`connections` (or `connections_per_peer` from one address) is reset as it is accepted, unless it comes from an
+address holding fewer than the busiest one, whose oldest connection gives way (`computedomain.slots`: a few
+pods cannot keep the kubelet's probe out); h2's connection gets
 `SETTINGS_MAX_CONCURRENT_STREAMS`, a header list bound and a header block bound (`_Frames`: h2 joins up to
 1 MiB of CONTINUATION frames, which hpack would decode at ~1.5 µs a byte); the socket is read `read_bytes` at a
 time, and not at all while the peer does not read what we write; a connection with no call in progress is
@@ -48,7 +50,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ from grpclib.server import Server, Stream
 from h2.exceptions import ProtocolError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
-from hyperframe.frame import ContinuationFrame, Frame, HeadersFrame, RstStreamFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, Frame, HeadersFrame, RstStreamFrame
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
 from computedomain.plugin.health import HealthReports
@@ -79,6 +80,7 @@ from computedomain.plugin.preparer import (
     strip_subrequest,
 )
 from computedomain.plugin.proto import dra_health_v1alpha1_pb2, dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_v1_pb2
+from computedomain.slots import Slots
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +221,8 @@ KUBELET_BOUNDS: Final = Bounds(
 class _Frames(FrameBuffer):
     """h2's frame buffer with a bound on a header block (h2 joins up to 64 CONTINUATION frames, 1 MiB, and
     hpack decodes the block in pure Python, about 1.5 µs a byte when Huffman-coded) and on the streams a
-    connection opens and resets over its life (`Bounds.streams_per_life`, `resets_per_life`)."""
+    connection opens and resets over its life (`Bounds.streams_per_life`, `resets_per_life`); empty DATA
+    frames (no data, no padding, not the end of the stream) are passed over."""
 
     def __init__(self, bounds: Bounds) -> None:
         super().__init__(server=True)
@@ -230,6 +233,10 @@ class _Frames(FrameBuffer):
 
     def __next__(self) -> Frame:
         f = super().__next__()
+        while isinstance(f, DataFrame) and not f.flow_controlled_length and "END_STREAM" not in f.flags:
+            # Empty DATA carries nothing, and grpclib would take it for the end of the message (an error it
+            # logs with a traceback) and queue an entry for each: it is passed over.
+            f = super().__next__()
         if isinstance(f, HeadersFrame) and f.stream_id > self._last_stream:  # a new call (not its trailers)
             self._last_stream = f.stream_id
             if self._streams_left is not None:
@@ -259,9 +266,7 @@ class _BoundedServer(Server):
             [servable], config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window)
         )
         self.bounds = bounds
-        self.open: dict[_Connection, str] = {}
-        self._by_peer: Tally[str] = Tally()
-        self.refused = 0
+        self.slots: Slots[_Connection] = Slots(bounds.connections, bounds.connections_per_peer)
 
     def _protocol_factory(self) -> _Connection:  # type: ignore[override]
         return _Connection(self)
@@ -270,19 +275,13 @@ class _BoundedServer(Server):
         return super()._protocol_factory()
 
     def admit(self, connection: _Connection, peer: str) -> bool:
-        if len(self.open) >= self.bounds.connections or self._by_peer[peer] >= self.bounds.connections_per_peer:
-            self.refused += 1
-            return False
-        self.open[connection] = peer
-        self._by_peer[peer] += 1
-        return True
+        admission = self.slots.admit(connection, peer)
+        if admission.displaced is not None:
+            admission.displaced.abort()
+        return not admission.refused
 
     def release(self, connection: _Connection) -> None:
-        peer = self.open.pop(connection, None)
-        if peer is not None:
-            self._by_peer[peer] -= 1
-            if not self._by_peer[peer]:
-                del self._by_peer[peer]
+        self.slots.release(connection)
 
 
 class _Connection(asyncio.BufferedProtocol):

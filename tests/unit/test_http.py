@@ -169,6 +169,40 @@ async def test_idle_connections_cannot_exhaust_descriptors() -> None:
         await runner.cleanup()
 
 
+async def test_addresses_that_fill_every_slot_do_not_keep_the_probe_out() -> None:
+    """Two addresses hold all four slots with connections that send nothing (3 and 1, within the test's caps;
+    the request deadline is 30 s here): the kubelet's probe from a third address is answered, and the busiest
+    address's oldest connection is reset for it. The previous server reset the probe's connection."""
+    limits = Limits(request_deadline_s=30.0, connections=4, connections_per_peer=3)
+    runner = await start_http("127.0.0.1:0", metrics_path="", limits=limits)
+    loop = asyncio.get_running_loop()
+    clients: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.2"):
+            sock = socket.socket()
+            sock.bind((ip, 0))
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", bound_port(runner)))
+            clients.append(await asyncio.open_connection(sock=sock))
+        for _ in range(200):  # until the server saw them all (bounded, however loaded the machine)
+            if runner.server.open_connections == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.server.open_connections == 4
+        status, _ = await asyncio.to_thread(_get, f"http://127.0.0.1:{bound_port(runner)}/healthz")
+        assert status == 200
+        assert await asyncio.wait_for(_closed_by_server(clients[0][0]), 10)
+        for _ in range(200):  # the probe's connection ends with its answer: three are left
+            if runner.server.open_connections == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.server.open_connections == 3
+    finally:
+        for _, writer in clients:
+            writer.close()
+        await runner.cleanup()
+
+
 async def test_a_client_that_does_not_read_the_answer_loses_the_connection() -> None:
     registry = CollectorRegistry()
 
@@ -216,7 +250,7 @@ async def test_small_answers_left_unread_do_not_hold_the_connection() -> None:
         await loop.sock_connect(sock, ("127.0.0.1", bound_port(runner)))
 
         def unsent() -> int:
-            handler = next(iter(runner.server._peers), None)
+            handler = next(iter(runner.server.slots), None)
             transport = handler.transport if handler is not None else None
             return transport.get_write_buffer_size() if transport is not None else 0
 
@@ -319,3 +353,40 @@ async def test_request_heads_are_bounded(caplog: pytest.LogCaptureFixture) -> No
     finally:
         await runner.cleanup()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+async def test_a_client_that_resets_before_its_answer_costs_no_error_line(caplog: pytest.LogCaptureFixture) -> None:
+    """A client that sends a request and resets the connection before the answer is ready (any pod can): the
+    answer is dropped without an ERROR line and a traceback, which such clients could otherwise write to our
+    log at will; the previous server logged one per connection."""
+    answered = asyncio.Event()
+    proceed = asyncio.Event()
+
+    async def slow() -> tuple[int, str, bytes]:
+        answered.set()
+        await proceed.wait()
+        return 200, "text/plain", b"x" * 65536
+
+    runner = await start_http("127.0.0.1:0", metrics_path="", routes={"/slow": slow})
+    try:
+        for _ in range(3):
+            answered.clear()
+            proceed.clear()
+            _, writer = await asyncio.open_connection("127.0.0.1", bound_port(runner))
+            writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            await asyncio.wait_for(answered.wait(), 10)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
+            writer.transport.abort()
+            await asyncio.sleep(0.05)
+            proceed.set()
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if not runner.server.open_connections:
+                    break
+        assert runner.server.open_connections == 0
+        assert (await asyncio.to_thread(_get, f"http://127.0.0.1:{bound_port(runner)}/healthz"))[0] == 200
+    finally:
+        await runner.cleanup()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -619,6 +619,65 @@ async def test_connections_beyond_the_cap_are_reset_and_idle_ones_closed(bounded
     assert await _health(bounded.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_addresses_that_fill_every_slot_do_not_keep_the_probe_out(
+    preparer: FakePreparer, paths: SocketPaths
+) -> None:
+    """Two addresses hold all four slots with connections that send nothing (3 and 1 of them, within the
+    test's caps; idle ones are kept 30 s here): the kubelet's probe from a third address still gets in and is
+    answered, and the busiest address's oldest connection is reset for it. The previous server refused the
+    probe until an idle deadline freed a slot."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0, request_s=30.0, connections=4, connections_per_peer=3)
+    bounded = PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds)
+    await bounded.start()
+    assert bounded.health_port
+    clients = []
+    try:
+        for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.2"):
+            sock = socket.socket()
+            sock.bind((ip, 0))
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", bounded.health_port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            assert await asyncio.wait_for(reader.read(65536), 10)  # admitted: the server's SETTINGS
+            clients.append((reader, writer))
+        assert len(bounded._servers["health"].slots) == 4
+        assert await _health(bounded.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+        oldest = clients[0][0]
+        with contextlib.suppress(ConnectionError):
+            while await asyncio.wait_for(oldest.read(65536), 10):
+                pass
+        assert oldest.at_eof() or oldest.exception() is not None
+    finally:
+        for _, writer in clients:
+            writer.close()
+        await bounded.stop(grace_s=0)
+
+
+async def test_empty_data_frames_are_not_taken_for_the_end_of_the_message(
+    server: PluginServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Check whose message follows 200 empty DATA frames (HTTP/2 allows them; they carry nothing): it is
+    answered SERVING, and nothing is logged. grpclib reads an empty frame as the end of the data, so the
+    previous server logged an application error with a traceback for each such call (any pod can send them)
+    and queued an entry per frame until the call ended."""
+    assert server.health_port
+    client = await RawClient.connect(server.health_port)
+    try:
+        client.h2.send_headers(1, GRPC_HEADERS)
+        for _ in range(200):
+            client.h2.send_data(1, b"")
+        message = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+        client.h2.send_data(1, b"\x00" + len(message).to_bytes(4, "big") + message, end_stream=True)
+        await client.flush()
+        await client.read_until(lambda events: bool(_trailers(events)))
+        assert _trailers(client.events).get("grpc-status") == "0"
+        answer = b"".join(e.data for e in client.events if isinstance(e, h2.events.DataReceived))
+        assert health_pb2.HealthCheckResponse.FromString(answer[5:]).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        client.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 async def test_a_long_header_block_is_refused_undecoded(server: PluginServer) -> None:
     """A call whose headers are 2.5 KiB of Huffman-coded text (hpack decodes ~1.5 µs a byte in pure Python; h2
     accepts up to 1 MiB in CONTINUATION frames): the connection is closed before it is decoded. The previous
@@ -733,16 +792,16 @@ async def test_pings_never_read_do_not_hold_the_connection(preparer: FakePrepare
             with contextlib.suppress(BlockingIOError):
                 sock.send(ping * 256)
             await asyncio.sleep(0.005)
-            held = next(iter(served.open), None)
+            held = next(iter(served.slots), None)
             if held is not None and held._transport is not None and held._transport.get_write_buffer_size():
                 stalled = True
                 break
         assert stalled, "the server never held unsent bytes"
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if not served.open:
+            if not served.slots:
                 break
-        assert not served.open
+        assert not served.slots
     finally:
         sock.close()
         await bounded.stop(grace_s=0)
