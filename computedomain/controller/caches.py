@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from computedomain.api.constants import CLIQUE_LABEL, COMPUTE_DOMAIN_LABEL
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, valid_clique_id
 from computedomain.controller import channels
-from computedomain.controller.channels import CliqueSpace, Lock
+from computedomain.controller.channels import CliqueSpace, Lingering, Lock
 from computedomain.controller.observed import (
     Child,
     ChildKind,
@@ -258,13 +258,15 @@ class Caches:
         live = frozenset(r.domain_uid for r in records if _lives(self.cd(r.domain_uid)))
         return CliqueSpace(clique_id, records, locks, live)
 
-    def exhausted_cliques(self, cliques: tuple[ComputeDomainClique, ...]) -> frozenset[str]:
-        """Of one domain's records still waiting for a channel, the cliques that have none free."""
+    def exhausted_cliques(self, cliques: tuple[ComputeDomainClique, ...]) -> tuple[frozenset[str], Lingering]:
+        """Of one domain's records still waiting for a channel, the cliques that have none free, and what of
+        their channels deleted domains still hold."""
         if not self.settings.channel_isolation:
-            return frozenset()
+            return frozenset(), Lingering()
         waiting = {c.clique_id for c in cliques if c.channel is None and c.metadata.deletion_timestamp is None}
         count = self.settings.imex_channel_count
-        return frozenset(c for c in waiting if channels.exhausted(self.clique_space(c), count))
+        spaces = [space for space in map(self.clique_space, sorted(waiting)) if channels.exhausted(space, count)]
+        return frozenset(s.clique_id for s in spaces), sum(map(channels.lingering, spaces), Lingering())
 
     def observe(self, uid: str) -> Observed | None:
         """The snapshot for one domain; None when the CD cache does not have it (which proves nothing)."""
@@ -275,13 +277,15 @@ class Caches:
         for child in self._pending(uid):
             children.setdefault(child.key, child)
         cliques = tuple(c for i in self.cliques for c in i.by_index(CD_INDEX, uid))
+        exhausted, lingering = self.exhausted_cliques(cliques)
         return Observed(
             cd=cd,
             children=tuple(sorted(children.values(), key=lambda c: c.key)),
             labelled_nodes=tuple(sorted(self.nodes.by_index(CD_INDEX, uid), key=lambda n: n.name)),
             cliques=cliques,
             pods=tuple(p for i in self.pods for p in i.by_index(CD_INDEX, uid)),
-            exhausted_cliques=self.exhausted_cliques(cliques),
+            exhausted_cliques=exhausted,
+            lingering=lingering,
         )
 
     def add_handlers(self, on_uid: Callable[[str], None]) -> None:

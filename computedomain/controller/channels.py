@@ -215,6 +215,25 @@ def exhausted(space: CliqueSpace, count: int) -> bool:
     return next(free_channels(space, count), None) is None
 
 
+@dataclass(frozen=True)
+class Lingering:
+    """Channels still held by records of domains that are gone or being deleted: the claims prepared with
+    them are still listed, by ``nodes``, and each channel is free once those nodes' agents unprepare them."""
+
+    channels: int = 0
+    nodes: frozenset[str] = frozenset()
+
+    def __add__(self, other: Lingering) -> Lingering:
+        return Lingering(self.channels + other.channels, self.nodes | other.nodes)
+
+
+def lingering(space: CliqueSpace) -> Lingering:
+    held = [
+        r for r in space.records if r.channel is not None and (r.terminating or r.domain_uid not in space.live_domains)
+    ]
+    return Lingering(len(held), frozenset(node for r in held for node in r.nodes))
+
+
 def recorded_channels(records: Iterable[Record]) -> dict[str, int]:
     """Clique ID -> channel, for one domain's records that have one (and are not being deleted)."""
     return {r.clique_id: r.channel for r in records if r.channel is not None and not r.terminating}

@@ -22,6 +22,7 @@ from computedomain.api.constants import (
     TEMPLATE_TARGET_WORKLOAD,
 )
 from computedomain.api.models import ComputeDomain, ComputeDomainClique
+from computedomain.controller.channels import Lingering
 
 Raw = Mapping[str, Any]
 
@@ -310,8 +311,10 @@ class Observed:
     name_conflicts: tuple[tuple[ChildKind, str], ...] = ()
     # The apiserver drops status.conditions (an old CRD): status writes are needed only for the rest.
     conditions_pruned: bool = False
-    # Channel isolation: cliques where one of the domain's records waits for a channel and none is free.
+    # Channel isolation: cliques where one of the domain's records waits for a channel and none is free, and
+    # what of those cliques' channels deleted domains still hold.
     exhausted_cliques: frozenset[str] = frozenset()
+    lingering: Lingering = field(default_factory=Lingering)
 
     def of_kind(self, kind: ChildKind) -> tuple[Child, ...]:
         return tuple(c for c in self.children if c.kind is kind)

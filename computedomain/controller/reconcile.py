@@ -350,7 +350,7 @@ def desired_status(
         reason = status.REASON_TEMPLATE_CONFLICT if kind is ChildKind.WORKLOAD_TEMPLATE else status.REASON_NAME_CONFLICT
         verdict = status.conflict_verdict(detail, reason)
     elif settings.channel_isolation and observed.exhausted_cliques:
-        verdict = status.exhausted_verdict(observed.exhausted_cliques, settings.imex_channel_count)
+        verdict = status.exhausted_verdict(observed.exhausted_cliques, settings.imex_channel_count, observed.lingering)
     elif settings.host_managed:
         isolation = status.channel_text(channels) if settings.channel_isolation else None
         verdict = status.host_managed_verdict(claim_templates.workload_template_name(cd), isolation)

@@ -47,6 +47,7 @@ from computedomain.api.models import (
     ConditionStatus,
     ReadyStatus,
 )
+from computedomain.controller.channels import Lingering
 from computedomain.controller.observed import NodeView, PodView
 
 READY_CONDITION = "Ready"
@@ -215,18 +216,30 @@ def channel_text(channels: Sequence[ComputeDomainChannel]) -> str:
     return f"channel isolation: IMEX channel {shown}{more}"
 
 
-def exhausted_verdict(cliques: Iterable[str], count: int) -> Verdict:
-    names = sorted(cliques)
-    shown = ", ".join(names[:MAX_LISTED_NODES]) + (
-        f" and {len(names) - MAX_LISTED_NODES} more" if len(names) > MAX_LISTED_NODES else ""
+def _some(names: Iterable[str]) -> str:
+    ordered = sorted(names)
+    more = f" and {len(ordered) - MAX_LISTED_NODES} more" if len(ordered) > MAX_LISTED_NODES else ""
+    return ", ".join(ordered[:MAX_LISTED_NODES]) + more
+
+
+def exhausted_verdict(cliques: Iterable[str], count: int, lingering: Lingering) -> Verdict:
+    nodes = "node" if len(lingering.nodes) == 1 else "nodes"
+    held = (
+        f" {lingering.channels} of them {'is' if lingering.channels == 1 else 'are'} held by deleted ComputeDomains "
+        f"whose claims {nodes} "
+        f"{_some(lingering.nodes)} still list as prepared: each is freed once those node agents unprepare them (if "
+        "they do not, check their pods and logs; for a node that is gone, delete its Node object)."
+        if lingering.channels
+        else ""
     )
     return Verdict(
         ReadyStatus.NOT_READY,
         REASON_CHANNELS_EXHAUSTED,
-        f"no free IMEX channel for this domain in clique {shown}: channels 1 to {count - 1} (IMEX_CHANNEL_COUNT "
-        f"{count}, the nodes' NVreg_ImexChannelCount; channel 0 is shared and never assigned) are all held by other "
-        "ComputeDomains or still prepared on a node; its pods there wait. Delete ComputeDomains that are no "
-        "longer used, or raise NVreg_ImexChannelCount on the nodes and resources.computeDomains.imex.channelCount",
+        f"no free IMEX channel for this domain in clique {_some(cliques)}: channels 1 to {count - 1} "
+        f"(IMEX_CHANNEL_COUNT {count}, the nodes' NVreg_ImexChannelCount; channel 0 is shared and never assigned) "
+        f"are all held by other ComputeDomains or still prepared on a node; its pods there wait.{held} Delete "
+        "ComputeDomains that are no longer used, or raise NVreg_ImexChannelCount on the nodes and "
+        "resources.computeDomains.imex.channelCount",
     )
 
 

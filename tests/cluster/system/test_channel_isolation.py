@@ -390,6 +390,16 @@ async def test_exhaustion_names_the_limit_and_churn_never_hands_out_a_channel_st
     assert recs, "d01's record went while its pods still hold the channel"
     rec = recs[0]
     assert rec["metadata"].get("deletionTimestamp") and rec["channel"] == freed and len(rec["preparedClaims"]) == 2
+    # The starved domain, reconciled again (an annotation), names the nodes whose claims keep d01's channel.
+    holders = sorted({c["nodeName"] for c in rec["preparedClaims"]})
+    await sim.akubectl("annotate", "computedomain", "starved", "-n", sim.workload_ns, "example.com/poke=1")
+
+    async def names_the_holders() -> str | None:
+        message = str(ready_condition(sim, "starved").get("message") or "")
+        said = "1 of them is held by deleted ComputeDomains whose claims" in message
+        return message if said and all(node in message for node in holders) else None
+
+    print(await eventually(names_the_holders, within=60, what="the starved domain naming the nodes holding d01's"))
     await sim.akubectl("delete", "pod", pod_name(1, 0), "-n", sim.workload_ns, "--wait=true")
 
     async def one_claim_left() -> bool:

@@ -18,6 +18,7 @@ from computedomain.controller.channels import (
     CreateLock,
     DeleteLock,
     Gone,
+    Lingering,
     Lock,
     Record,
     RecordChannel,
@@ -219,6 +220,18 @@ def test_a_record_under_another_domains_name_or_outside_its_nodes_clique_gets_no
     right = rec(1)
     state = replace(space(squatter, elsewhere, right), unbound=frozenset({elsewhere.name}))
     assert plan(state, 2048).actions == (CreateLock(right, 1),)
+
+
+def test_lingering_counts_the_channels_of_deleted_domains_and_the_nodes_that_hold_them() -> None:
+    state = space(
+        rec(1, channel=1, claims=(("c1", "n1"),)),  # a live domain's: not lingering
+        rec(2, channel=2, claims=(("c2", "n2"), ("c3", "n3")), terminating=True),
+        rec(3, channel=3, claims=(("c4", "n2"),)),  # its domain is gone (not live), record not deleted yet
+        rec(4, claims=(("c5", "n9"),), terminating=True),  # no channel: holds nothing
+        live={1, 4},
+    )
+    assert channels.lingering(state) == Lingering(2, frozenset({"n2", "n3"}))
+    assert channels.lingering(space(rec(1, channel=1), live={1})) == Lingering()
 
 
 def test_decode_lock_and_body_round_trip() -> None:

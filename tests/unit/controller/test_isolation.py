@@ -11,6 +11,7 @@ import pytest
 from computedomain.api.constants import CHANNEL_DEVICE_CLASS, ISOLATED_CHANNEL_DEVICE_CLASS
 from computedomain.api.models import ComputeDomainClique, ReadyStatus
 from computedomain.controller import adoption, guard
+from computedomain.controller.channels import Lingering
 from computedomain.controller.observed import ChildKind, Observed, decode_child
 from computedomain.controller.reconcile import CreateChild, DeleteRecord, WriteStatus, desired
 from computedomain.settings import ControllerSettings, ImexIsolation
@@ -115,6 +116,27 @@ def test_exhausted_clique_makes_the_domain_not_ready_naming_the_limit() -> None:
     (write,) = plan.actions
     assert isinstance(write, WriteStatus)
     assert [(e.type, e.reason) for e in write.events] == [("Warning", "NotReady")]
+
+
+def test_exhausted_names_the_nodes_that_still_hold_channels_of_deleted_domains() -> None:
+    """Channels a deleted domain's records keep while nodes list claims prepared with them (a node agent that
+    never unprepares, or one whose token lists claims it does not hold): the message counts them and names
+    the nodes, which is what an operator acts on."""
+    observed = Observed(
+        cd=compute_domain(),
+        children=(child(ChildKind.WORKLOAD_TEMPLATE),),
+        cliques=(record("a.1"),),
+        exhausted_cliques=frozenset({"a.1"}),
+        lingering=Lingering(2, frozenset({"gb-7", "gb-3"})),
+    )
+    (write,) = desired(observed, isolated(IMEX_CHANNEL_COUNT="4"), NOW).actions
+    assert isinstance(write, WriteStatus)
+    (cond,) = write.status.conditions or ()
+    assert (
+        "its pods there wait. 2 of them are held by deleted ComputeDomains whose claims nodes gb-3, gb-7 still "
+        "list as prepared: each is freed once those node agents unprepare them" in cond.message
+    )
+    assert cond.message.endswith("resources.computeDomains.imex.channelCount")
 
 
 def test_teardown_deletes_the_records_without_waiting_for_them() -> None:
