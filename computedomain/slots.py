@@ -10,9 +10,10 @@ accepted:
   the address holding the most takes the place of that address's oldest connection (`displaced`, which the
   caller resets); otherwise it is refused (`connections`).
 
-So addresses that fill every slot (idle connections from a few pods) cannot keep a newcomer out: the kubelet's
-probes, which come from one address and hold one or two connections at a time, always get in and are
-answered. Addresses holding equal shares never displace each other, so full slots do not churn.
+So a few addresses that fill every slot (idle connections from a few pods) cannot keep a newcomer out: the
+kubelet's probes, which come from one address and hold one or two connections at a time, get in and are
+answered. Only as many addresses as there are slots, each holding one, can make a newcomer wait for a slot to
+end. Addresses holding equal shares never displace each other, so full slots do not churn.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def test_a_newcomer_takes_the_oldest_slot_of_the_busiest_address() -> None:
     assert list(slots) == ["b#1", "a#2", "a#3", "probe"]
     slots.release("a#0")  # the displaced connection's own end frees nothing twice
     assert len(slots) == 4
-    # b (1) against a (2): b still holds fewer, so a's oldest goes again; then they hold 2 and 1 + kubelet 1.
+    # b (1) against a (2): b still holds fewer, so a's oldest goes again; then b holds 2, a 1, the kubelet 1.
     assert slots.admit("b#4", "b") == Admission(displaced="a#2")
     assert list(slots) == ["b#1", "a#3", "probe", "b#4"]
 
