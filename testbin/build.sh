@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the test bed's binaries and caches them: the control plane and helm from the Go module proxy,
+# Builds the test bed's binaries and caches them: the control plane, kwok and helm from the Go module proxy,
 # and for the real nodes the kubelet, containerd (+ ctr and the runc shim), the pause program, and runc,
 # the CNI plugins and mmdebstrap unpacked from Debian packages (nothing is installed system-wide).
 #
@@ -33,8 +33,9 @@ K8S_VERSION=v1.36.3
 # The version a module requires, read from its go.mod (the require lines sit inside a block).
 required() { awk -v m="$2" '$1==m {print $2; exit}' "$here/$1/go.mod"; }
 ETCD_VERSION=$(required etcd go.etcd.io/etcd/server/v3)
-KWOK_VERSION=$(required kwok sigs.k8s.io/kwok)
-HELM_VERSION=$(required helm helm.sh/helm/v3)
+# helm and kwok build in the Kubernetes module, against its k8s.io modules: one build compiles them once.
+KWOK_VERSION=$(required k8s sigs.k8s.io/kwok)
+HELM_VERSION=$(required k8s helm.sh/helm/v3)
 CONTAINERD_VERSION=$(required containerd github.com/containerd/containerd/v2)
 # From Debian (bookworm): what needs cgo (runc), is plain files (CNI plugins), or is a Perl program
 # (mmdebstrap, which tests/testbed/image.py runs to lay out the image's root filesystem).
@@ -52,7 +53,8 @@ done
 helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 helm_ldflags+=" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$k8s_minor"
 helm_ldflags+=" -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$k8s_minor"
-kwok_ldflags="-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
+# One link line for the whole set: the linker ignores an -X whose variable a binary lacks.
+k8s_ldflags+=" ${helm_ldflags#-s -w } -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
 etcd_ldflags="-s -w"
 containerd_ldflags="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
 containerd_ldflags+=" -X github.com/containerd/containerd/v2/version.Revision=testbed"
@@ -62,20 +64,18 @@ containerd_tags="no_btrfs no_devmapper no_zfs"
 # name -> "module_dir|version|ldflags|tags|packages..." ; the digest of a set covers all of it.
 declare -A recipe=(
   [etcd]="etcd|$ETCD_VERSION|$etcd_ldflags||go.etcd.io/etcd/server/v3"
-  [kwok]="kwok|$KWOK_VERSION|$kwok_ldflags||sigs.k8s.io/kwok/cmd/kwok"
-  [helm]="helm|$HELM_VERSION|$helm_ldflags||helm.sh/helm/v3/cmd/helm"
-  [k8s]="k8s|$K8S_VERSION|$k8s_ldflags||k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kubelet"
+  [k8s]="k8s|$K8S_VERSION|$k8s_ldflags||k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kubelet helm.sh/helm/v3/cmd/helm sigs.k8s.io/kwok/cmd/kwok"
   [containerd]="containerd|$CONTAINERD_VERSION|$containerd_ldflags|$containerd_tags|github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/ctr"
   [pause]="pause|v1|-s -w||."
 )
 # The binaries each set provides (and links into the bin directory).
 declare -A provides=(
-  [etcd]="etcd" [kwok]="kwok" [helm]="helm"
-  [k8s]="kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet"
+  [etcd]="etcd"
+  [k8s]="kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet helm kwok"
   [containerd]="containerd containerd-shim-runc-v2 ctr" [pause]="pause"
   [debian]="runc cni mmdebstrap"
 )
-sets=(etcd kwok helm k8s containerd pause debian)
+sets=(etcd k8s containerd pause debian)
 
 declare -A dir
 for name in "${!recipe[@]}"; do
@@ -235,7 +235,7 @@ if ((${#todo[@]})); then
   ticker=$!
   # Two builds at a time on two cores: one links or downloads while the other compiles. The largest first.
   lanes=()
-  for name in k8s helm kwok etcd containerd pause debian; do
+  for name in k8s etcd containerd pause debian; do
     if [[ " ${todo[*]} " == *" $name "* ]]; then lanes+=("$name"); fi
   done
   running=()
