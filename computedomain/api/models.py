@@ -179,6 +179,12 @@ class ComputeDomainDaemonInfo(_ApiModel):
 class PreparedClaim(_ApiModel):
     claim_uid: str = Field(alias="claimUID", description="UID of the ResourceClaim prepared with the channel.")
     node_name: str = Field(alias="nodeName", description="Node whose node agent prepared it.")
+    verified: bool | None = Field(
+        None,
+        description="Set by the controller once it saw the claim allocated on that node for this record's "
+        "domain (node agents may not set it). In a record being deleted an unverified entry is dropped once a "
+        "live list does not show its claim allocated there; a verified one stays until its node takes it off.",
+    )
 
 
 class ComputeDomainClique(_ApiModel):

@@ -8,8 +8,8 @@
 | ResourceClaimTemplates | all namespaces (workload templates live in the CDs' namespaces) | CD label exists | label value |
 | Nodes | cluster | CD label exists | label value |
 | daemon Pods (driverManaged) | each managed namespace | CD label exists | label value |
-| ResourceClaims (driverManaged) | all namespaces (a domain's pods' claims live in its namespace) | none | domain of the channel config; ``node``: nodes of the channel devices allocated |
-| ComputeDomainCliques (driverManaged with the gate; hostManaged with channel isolation) | each managed namespace | none | label, else name prefix; ``clique``: name suffix |
+| ResourceClaims (driverManaged; hostManaged with channel isolation) | all namespaces (a domain's pods' claims live in its namespace) | none | domain of the channel config; ``node``: nodes of the channel devices allocated; ``claim``: UID (channel isolation) |
+| ComputeDomainCliques (driverManaged with the gate; hostManaged with channel isolation) | each managed namespace | none | label, else name prefix; ``clique``: name suffix; ``claim``: UIDs in ``preparedClaims`` |
 | channel locks: Leases (channel isolation) | the driver namespace | clique label exists | ``clique``: label value |
 
 ``observe(uid)`` assembles one domain's ``Observed`` from them, plus the children this process created that
@@ -66,6 +66,7 @@ OVERLAY_TTL = 60.0
 CD_INDEX = "cd"
 CLIQUE_INDEX = "clique"
 NODE_INDEX = "node"
+CLAIM_INDEX = "claim"
 
 
 def _cd_label(obj: Child | NodeView | PodView | ClaimView) -> list[str]:
@@ -77,6 +78,7 @@ class Caches:
         """``cd_namespace`` limits the domains this controller handles to one namespace (tests that share a
         cluster use it); the orphan sweep still confirms against every namespace."""
         self.settings = settings
+        self.cd_namespace = cd_namespace
         self.cds: Informer[ComputeDomain] = Informer(
             client,
             COMPUTE_DOMAINS,
@@ -113,15 +115,20 @@ class Caches:
         self.claims: Informer[ClaimView] | None = None
         if not settings.host_managed:
             self.pods = self._labelled(client, PODS, decode_pod)
+        if not settings.host_managed or settings.channel_isolation:
             # Every claim, projected to a few strings: which domain's channel is allocated on which nodes
-            # (the node labeller, ``nodes``). Another driver's claims cost a key and an empty view each.
+            # (the node labeller, ``nodes``; the channel assignment, which verifies the entries of its
+            # records by claim UID). Another driver's claims cost a key and an empty view each.
+            by_uid: dict[str, Callable[[ClaimView], list[str]]] = (
+                {CLAIM_INDEX: lambda c: [c.uid]} if settings.channel_isolation else {}
+            )
             self.claims = Informer(
                 client,
                 RESOURCE_CLAIMS,
                 namespace=cd_namespace,
                 decode=decode_claim,
                 name="resourceclaims",
-                indexers={CD_INDEX: _cd_label, NODE_INDEX: lambda c: sorted(c.nodes)},
+                indexers={CD_INDEX: _cd_label, NODE_INDEX: lambda c: sorted(c.nodes), **by_uid},
             )
         if settings.channel_isolation or (
             not settings.host_managed and settings.gate(FeatureGate.COMPUTE_DOMAIN_CLIQUES)
@@ -133,7 +140,11 @@ class Caches:
                     namespace=ns,
                     decode=ComputeDomainClique.model_validate,
                     name=f"computedomaincliques/{ns}",
-                    indexers={CD_INDEX: lambda c: [c.domain_uid], CLIQUE_INDEX: lambda c: [c.clique_id]},
+                    indexers={
+                        CD_INDEX: lambda c: [c.domain_uid],
+                        CLIQUE_INDEX: lambda c: [c.clique_id],
+                        CLAIM_INDEX: lambda c: sorted({e.claim_uid for e in c.prepared_claims or ()}),
+                    },
                 )
                 for ns in settings.managed_namespaces
             ]
@@ -256,7 +267,19 @@ class Caches:
         records = tuple(channels.record_of(c) for i in self.cliques for c in i.by_index(CLIQUE_INDEX, clique_id))
         locks = tuple(self.locks.by_index(CLIQUE_INDEX, clique_id)) if self.locks is not None else ()
         live = frozenset(r.domain_uid for r in records if _lives(self.cd(r.domain_uid)))
-        return CliqueSpace(clique_id, records, locks, live)
+        return CliqueSpace(clique_id, records, locks, live, verifiable=self._verifiable(records))
+
+    def _verifiable(self, records: tuple[channels.Record, ...]) -> frozenset[tuple[str, str, str]]:
+        """(record name, claim UID, node) of the unverified entries whose claim the cache shows allocated on
+        that node for the record's domain."""
+        if self.claims is None:
+            return frozenset()
+        return frozenset(
+            (r.name, uid, node)
+            for r in records
+            for uid, node in r.unverified
+            if any(c.allocated(r.domain_uid, node) for c in self.claims.by_index(CLAIM_INDEX, uid))
+        )
 
     def exhausted_cliques(self, cliques: tuple[ComputeDomainClique, ...]) -> tuple[frozenset[str], Lingering]:
         """Of one domain's records still waiting for a channel, the cliques that have none free, and what of
@@ -375,6 +398,15 @@ class Caches:
                 on_update=lambda _o, n: route(n.clique_id),
                 on_delete=lambda lk: route(lk.clique_id),
             )
+
+        def claim_event(claim: ClaimView) -> None:
+            # An entry is verified once its claim is seen allocated (the record may have come first).
+            for informer in self.cliques:
+                for record in informer.by_index(CLAIM_INDEX, claim.uid):
+                    route(record.clique_id)
+
+        if self.claims is not None and self.settings.channel_isolation:
+            self.claims.add_handler(on_add=claim_event, on_update=lambda _o, n: claim_event(n))
 
 
 def _lives(cd: ComputeDomain | None) -> bool:

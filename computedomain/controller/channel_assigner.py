@@ -12,8 +12,11 @@ is left, as the domain reconcile does. The writes, and what makes each safe:
   most one value ever lands, and the loser reads it back;
 * dropping our finalizer from a record being deleted: a merge patch with the resourceVersion at which the
   record listed no claim, so a node agent adding one in between makes it a ``Conflict`` (retried);
-* dropping claims of vanished nodes: only after a live GET of each such Node answered NotFound, again with
-  the record's resourceVersion.
+* marking entries ``verified``: a JSON patch that first tests each entry's claim UID and node at its index;
+* dropping claims of vanished nodes: only after a live GET of each such Node answered NotFound, and
+  unverified claims of a record being deleted: only when a live list of every ResourceClaim, taken after this
+  process first saw the entry, does not show it allocated there for the domain (at most one such list every
+  ``CLAIM_LIST_S`` seconds, however many records wait for one); again with the record's resourceVersion.
 
 A failure raises; the convergence loop retries with backoff, by which time the watches have caught up.
 """
@@ -44,9 +47,11 @@ from computedomain.controller.channels import (
     Result,
     Taken,
     Unchanged,
+    VerifyClaims,
 )
 from computedomain.controller.executor import Writer, gather_all
-from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, LEASES, NODES
+from computedomain.controller.observed import ClaimView, decode_claim
+from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, LEASES, NODES, RESOURCE_CLAIMS
 from computedomain.kube.converge import DONE, ReconcileResult, RequeueAfter
 from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
 from computedomain.kube.events import EventType
@@ -58,6 +63,8 @@ log = logging.getLogger(__name__)
 MAX_ROUNDS: Final = 16
 NODE_MEMO_S: Final = 30.0
 UNBOUND_RECHECK_S: Final = 5.0
+#: the least time between two live lists of every ResourceClaim (unverified entries of records being deleted)
+CLAIM_LIST_S: Final = 5.0
 
 CHANNEL_WRITES = Counter(
     "computedomain_controller_imex_channel_writes_total",
@@ -73,6 +80,10 @@ class ChannelAssigner:
         self.caches: Caches = writer.caches
         self.count = settings.imex_channel_count
         self._nodes: dict[str, tuple[str | None, float]] = {}
+        # Per clique, when this process first saw each unverified entry (record name, claim UID, node); and
+        # the last live list of every claim (by UID) with when it was taken.
+        self._first_seen: dict[str, dict[tuple[str, str, str], float]] = {}
+        self._claims: tuple[dict[str, ClaimView], float] | None = None
 
     async def reconcile(self, clique_id: str) -> ReconcileResult:
         space = self.caches.clique_space(clique_id)
@@ -86,12 +97,16 @@ class ChannelAssigner:
                 GPU_CLIQUE_NODE_LABEL,
                 clique_id,
             )
+        self._note_unverified(space)
         for _ in range(MAX_ROUNDS):
             plan = channels.plan(space, self.count)
             if not plan:
                 if plan.waiting:
                     log.debug("no free IMEX channel clique=%s waiting=%s", clique_id, ",".join(map(str, plan.waiting)))
-                return RequeueAfter(UNBOUND_RECHECK_S) if space.unbound else DONE
+                if space.unbound:
+                    return RequeueAfter(UNBOUND_RECHECK_S)
+                # A record being deleted whose unverified entries wait for a newer list of claims.
+                return RequeueAfter(CLAIM_LIST_S) if self._awaiting_list(space) else DONE
             results = await gather_all(self._apply(action) for action in plan.actions)
             for action, result in zip(plan.actions, results, strict=True):
                 space = channels.fold(space, action, result)
@@ -113,6 +128,8 @@ class ChannelAssigner:
             return await self._release(action.record)
         if isinstance(action, CheckHolders):
             return await self._prune(action.record)
+        if isinstance(action, VerifyClaims):
+            return await self._verify(action.record, action.entries)
         raise TypeError(f"unknown action {action!r}")  # pragma: no cover
 
     async def _lock(self, record: Record, channel: int) -> Lock | Taken:
@@ -169,17 +186,98 @@ class ChannelAssigner:
         released = channels.record_of(ComputeDomainClique.model_validate(raw))
         return Gone() if released.terminating and not released.finalizers else released
 
+    async def _verify(self, record: Record, entries: tuple[tuple[str, str], ...]) -> Record | Gone:
+        ops: list[dict[str, Any]] = []
+        for index, entry in enumerate(record.claims):
+            if entry in entries:
+                ops += [
+                    {"op": "test", "path": f"/preparedClaims/{index}/claimUID", "value": entry[0]},
+                    {"op": "test", "path": f"/preparedClaims/{index}/nodeName", "value": entry[1]},
+                    {"op": "add", "path": f"/preparedClaims/{index}/verified", "value": True},
+                ]
+        try:
+            raw = await self.client.json_patch(COMPUTE_DOMAIN_CLIQUES, record.name, ops, namespace=record.namespace)
+        except NotFound:
+            return Gone()
+        except Invalid:
+            # The list changed under us (a node agent added or took off an entry): read it again.
+            try:
+                raw = await self.client.get(COMPUTE_DOMAIN_CLIQUES, record.name, namespace=record.namespace)
+            except NotFound:
+                return Gone()
+            return channels.record_of(ComputeDomainClique.model_validate(raw))
+        log.debug("verified prepared claims of %s claims=%s", record, ",".join(f"{u}@{n}" for u, n in entries))
+        return channels.record_of(ComputeDomainClique.model_validate(raw))
+
+    def _note_unverified(self, space: CliqueSpace) -> None:
+        now = time.monotonic()
+        before = self._first_seen.pop(space.clique_id, {})
+        seen = {(r.name, *entry): before.get((r.name, *entry), now) for r in space.records for entry in r.unverified}
+        if seen:
+            self._first_seen[space.clique_id] = seen
+
+    def _seen(self, record: Record, entry: tuple[str, str]) -> float | None:
+        return self._first_seen.get(record.clique_id, {}).get((record.name, *entry))
+
+    def _awaiting_list(self, space: CliqueSpace) -> bool:
+        """Whether a record being deleted lists an unverified entry no live list has looked at yet."""
+        listed_at = self._claims[1] if self._claims is not None else -1.0
+        for record in space.records:
+            if record.terminating and record.holds_finalizer:
+                for entry in record.unverified:
+                    seen = self._seen(record, entry)
+                    if seen is None or seen >= listed_at:
+                        return True
+        return False
+
+    async def _claims_since(self, since: float) -> dict[str, ClaimView] | None:
+        """Every ResourceClaim by UID from a live list taken after ``since``; None when the last one was taken
+        less than ``CLAIM_LIST_S`` ago and before ``since`` (asked again later)."""
+        now = time.monotonic()
+        if self._claims is not None and self._claims[1] > since:
+            return self._claims[0]
+        if self._claims is not None and now - self._claims[1] < CLAIM_LIST_S:
+            return None
+        listed = await self.client.list_all(RESOURCE_CLAIMS, namespace=self.caches.cd_namespace)
+        claims = {c.uid: c for c in map(decode_claim, listed.items)}
+        self._claims = (claims, time.monotonic())
+        return claims
+
+    async def _unfounded(self, record: Record) -> set[tuple[str, str]]:
+        """The record's unverified entries whose claim a live list shows not allocated there for its domain."""
+        if not record.unverified:
+            return set()
+        now = time.monotonic()
+        since = max(now if (seen := self._seen(record, e)) is None else seen for e in record.unverified)
+        claims = await self._claims_since(since)
+        if claims is None:
+            return set()
+        return {(u, n) for u, n in record.unverified if not (u in claims and claims[u].allocated(record.domain_uid, n))}
+
     async def _prune(self, record: Record) -> Record | Gone | Unchanged:
         gone = {node for node in record.nodes if not await self._node_exists(node)}
-        if not gone:
+        unfounded = await self._unfounded(record)
+        if not gone and not unfounded:
             return Unchanged()
-        kept = [{"claimUID": c, "nodeName": n} for c, n in record.claims if n not in gone]
+        kept = [
+            {"claimUID": c, "nodeName": n, **({"verified": True} if (c, n) in record.verified else {})}
+            for c, n in record.claims
+            if n not in gone and (c, n) not in unfounded
+        ]
         patch = {"metadata": {"resourceVersion": record.resource_version}, "preparedClaims": kept}
         try:
             raw = await self.client.merge_patch(COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace)
         except NotFound:
             return Gone()
-        log.info("dropped claims of deleted nodes from %s nodes=%s", record, ",".join(sorted(gone)))
+        if gone:
+            log.info("dropped claims of deleted nodes from %s nodes=%s", record, ",".join(sorted(gone)))
+        if unfounded:
+            log.warning(
+                "dropped claims that were never allocated there from %s (its domain is deleted; a node agent, or "
+                "its stolen token, listed them) claims=%s",
+                record,
+                ",".join(f"{u}@{n}" for u, n in sorted(unfounded)),
+            )
         return channels.record_of(ComputeDomainClique.model_validate(raw))
 
     async def _node_exists(self, name: str) -> bool:

@@ -24,9 +24,15 @@ back in (``fold``) and asks again until nothing is left. Per clique, in order of
   leader, created it and stopped before recording it), that channel is recorded; otherwise the lowest free
   channel (1 up to ``count - 1``; 0 is the shared channel and never assigned) is locked, then recorded.
   With none free, the record waits (``Plan.waiting``); the domain's reconcile reports it (``exhausted``);
+* an entry of ``preparedClaims`` whose claim the claim cache shows allocated on that node for the record's
+  domain is marked ``verified`` (``VerifyClaims``), in any record; a node agent may not set the mark;
 * a record that is being deleted keeps our finalizer while ``preparedClaims`` lists a claim; when none is left
-  the finalizer goes, the record with it, and then its lock: only then is the channel free again. Claims of
-  nodes that no longer exist are dropped first (``CheckHolders``: the executor confirms each node live).
+  the finalizer goes, the record with it, and then its lock: only then is the channel free again. First
+  dropped (``CheckHolders``, each confirmed live by the executor): entries of nodes that no longer exist, and
+  unverified entries whose claim a live list does not show allocated on that node for the domain (what a
+  stolen node agent token lists to keep a deleted domain's channel taken). A verified entry stays until its
+  node's agent takes it off or its node is gone, even when its claim is gone (a pod force-deleted from an
+  unreachable node may still run there).
 
 Nothing here does I/O.
 """
@@ -71,6 +77,7 @@ class Record:
     clique_id: str
     channel: int | None = None
     claims: tuple[tuple[str, str], ...] = ()  # (claim UID, node name)
+    verified: frozenset[tuple[str, str]] = frozenset()  # the entries of ``claims`` the controller verified
     finalizers: tuple[str, ...] = ()
     terminating: bool = False
     created: str = ""  # creationTimestamp, for first-come-first-served order
@@ -91,6 +98,10 @@ class Record:
     def nodes(self) -> frozenset[str]:
         return frozenset(node for _, node in self.claims)
 
+    @property
+    def unverified(self) -> tuple[tuple[str, str], ...]:
+        return tuple(entry for entry in self.claims if entry not in self.verified)
+
     def __str__(self) -> str:
         return f"ComputeDomainClique {self.namespace}/{self.name}"
 
@@ -106,6 +117,7 @@ def record_of(clique: ComputeDomainClique) -> Record:
         clique_id=clique.clique_id,
         channel=clique.channel,
         claims=tuple((c.claim_uid, c.node_name) for c in clique.prepared_claims or ()),
+        verified=frozenset((c.claim_uid, c.node_name) for c in clique.prepared_claims or () if c.verified),
         finalizers=meta.finalizers,
         terminating=meta.deletion_timestamp is not None,
         created=meta.creation_timestamp.isoformat() if meta.creation_timestamp else "",
@@ -181,6 +193,8 @@ class CliqueSpace:
     live_domains: frozenset[str] = frozenset()
     # Records that list no claim of a node of this clique (the executor checks the Nodes live): no channel.
     unbound: frozenset[str] = frozenset()
+    # (record name, claim UID, node) of unverified entries whose claim is allocated there for its domain.
+    verifiable: frozenset[tuple[str, str, str]] = frozenset()
 
     def with_record(self, record: Record) -> CliqueSpace:
         rest = tuple(r for r in self.records if r.name != record.name)
@@ -269,12 +283,21 @@ class ReleaseRecord:
 
 @dataclass(frozen=True)
 class CheckHolders:
-    """A record being deleted still lists claims: drop those of nodes that no longer exist (checked live)."""
+    """A record being deleted still lists claims: drop those of nodes that no longer exist and the unverified
+    ones whose claim is not allocated there (both checked live)."""
 
     record: Record
 
 
-Action: TypeAlias = CreateLock | RecordChannel | DeleteLock | ReleaseRecord | CheckHolders
+@dataclass(frozen=True)
+class VerifyClaims:
+    """Mark these entries of the record ``verified``: their claims are allocated there for its domain."""
+
+    record: Record
+    entries: tuple[tuple[str, str], ...]
+
+
+Action: TypeAlias = CreateLock | RecordChannel | DeleteLock | ReleaseRecord | CheckHolders | VerifyClaims
 
 
 @dataclass(frozen=True)
@@ -295,6 +318,11 @@ def plan(space: CliqueSpace, count: int) -> Plan:
     actions: list[Action] = []
     pending: list[Record] = []
     for record in sorted(space.records, key=lambda r: (r.created, r.name)):
+        verify = tuple(e for e in record.unverified if (record.name, *e) in space.verifiable)
+        if verify:
+            actions.append(VerifyClaims(record, verify))
+            # Verified or not, the rest of the record waits for the answer (one write per record a batch).
+            continue
         own = sorted((lk for lk in locks_of.get(record.uid, ()) if not lk.terminating), key=lambda lk: lk.channel)
         if record.channel is not None:
             actions += [
@@ -366,7 +394,7 @@ def fold(space: CliqueSpace, action: Action, result: Result) -> CliqueSpace:
         return space
     if isinstance(action, DeleteLock):
         return space.without_lock(action.lock.name) if isinstance(result, Gone) else space.with_lock(_lock(result))
-    if isinstance(action, RecordChannel | ReleaseRecord | CheckHolders):
+    if isinstance(action, RecordChannel | ReleaseRecord | CheckHolders | VerifyClaims):
         if isinstance(result, Gone):
             return space.without_record(action.record.name)
         checked = isinstance(action, CheckHolders)

@@ -239,15 +239,20 @@ class NodeView:
 
 @dataclass(frozen=True, slots=True)
 class ClaimView:
-    """A ResourceClaim as the node labeller reads it: the domain of its channel config and the nodes whose
-    channel devices of ours are allocated to it. ``cd_uid`` is "" for any other claim (another driver's, a
-    daemon claim, a channel claim not allocated yet, or one whose configs name several domains, which Prepare
-    refuses anyway): such a claim brings no domain to a node."""
+    """A ResourceClaim as the node labeller and the channel assignment read it: the domain of its channel
+    config and the nodes whose channel devices of ours are allocated to it. ``cd_uid`` is "" for any other
+    claim (another driver's, a daemon claim, a channel claim not allocated yet, or one whose configs name
+    several domains, which Prepare refuses anyway): such a claim brings no domain to a node."""
 
     namespace: str
     name: str
     cd_uid: str
     nodes: frozenset[str]
+    uid: str = ""
+
+    def allocated(self, cd_uid: str, node: str) -> bool:
+        """Whether this claim has a channel of domain ``cd_uid`` allocated on ``node``."""
+        return bool(cd_uid) and self.cd_uid == cd_uid and node in self.nodes
 
 
 def decode_claim(raw: Raw) -> ClaimView:
@@ -275,7 +280,11 @@ def decode_claim(raw: Raw) -> ClaimView:
     if len(domains) != 1 or not nodes:
         domains, nodes = {""}, frozenset()
     return ClaimView(
-        namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""), cd_uid=domains.pop(), nodes=nodes
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta.get("name") or ""),
+        cd_uid=domains.pop(),
+        nodes=nodes,
+        uid=str(meta.get("uid") or ""),
     )
 
 

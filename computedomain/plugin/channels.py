@@ -360,7 +360,9 @@ class ChannelRecords:
             if index is None:
                 return False
             ops: list[dict[str, Any]] = [
-                {"op": "test", "path": f"/preparedClaims/{index}", "value": _entry(claim_uid, self.node_name)},
+                # The entry's keys, not its whole value: the controller may have marked it verified.
+                {"op": "test", "path": f"/preparedClaims/{index}/claimUID", "value": claim_uid},
+                {"op": "test", "path": f"/preparedClaims/{index}/nodeName", "value": self.node_name},
                 {"op": "remove", "path": f"/preparedClaims/{index}"},
             ]
             try:

@@ -20,7 +20,7 @@ import json
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +204,33 @@ def pod_name(i: int, j: int) -> str:
     return f"d{i:02d}-w{j}"
 
 
+def agent_kubectl(sim: SimCluster, node: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """kubectl in the driver namespace with the token and CA of the node agent pod on ``node``, as its kubelet
+    mounts them (what a stolen token can do)."""
+    assert sim.runner is not None
+    agent = next(
+        p
+        for p in sim.items("pods", sim.driver_ns, "app.kubernetes.io/component=kubelet-plugin")
+        if p["spec"]["nodeName"] == node
+    )
+    worker = sim.runner.worker(sim.driver_ns, agent["metadata"]["name"])
+    assert worker is not None
+    account = worker.dir / "serviceaccount"
+    credentials = [
+        f"--server={sim.local.server}", f"--certificate-authority={account / 'ca.crt'}",
+        f"--token={(account / 'token').read_text()}",
+    ]  # fmt: skip
+
+    def run(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(sim.local.root / "bin" / "kubectl"), "--kubeconfig=/dev/null", *credentials, "-n", sim.driver_ns,
+             *args],
+            capture_output=True, text=True, input=input, timeout=60,
+        )  # fmt: skip
+
+    return run
+
+
 async def test_twenty_domains_at_once_get_distinct_channels_and_each_pod_sees_only_its_own(
     rack: SimCluster, monitor: Monitor
 ) -> None:
@@ -255,44 +282,30 @@ async def test_a_node_agent_may_only_ask_for_a_channel_and_list_its_own_nodes_cl
 ) -> None:
     """The admission policy on channel records, with a node agent's own pod-bound token."""
     sim = rack
-    assert sim.runner is not None
     node0, node1 = (n.name for n in sim.topology.nodes[:2])
-    agent = next(
-        p
-        for p in sim.items("pods", sim.driver_ns, "app.kubernetes.io/component=kubelet-plugin")
-        if p["spec"]["nodeName"] == node0
-    )
-    worker = sim.runner.worker(sim.driver_ns, agent["metadata"]["name"])
-    assert worker is not None
-    account = worker.dir / "serviceaccount"  # the agent pod's own token and CA, as its kubelet mounts them
-    credentials = [
-        f"--server={sim.local.server}", f"--certificate-authority={account / 'ca.crt'}",
-        f"--token={(account / 'token').read_text()}",
-    ]  # fmt: skip
-
-    def as_agent(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(sim.local.root / "bin" / "kubectl"), "--kubeconfig=/dev/null", *credentials, "-n", sim.driver_ns,
-             *args],
-            capture_output=True, text=True, input=input, timeout=60,
-        )  # fmt: skip
-
+    as_agent = agent_kubectl(sim, node0)
     d00 = f"{uid_of(sim, 'd00')}.{next(iter(sim.topology.cliques()))}"
     before = sim.get("computedomaincliques", d00, sim.driver_ns)
     assert before is not None
     own = [{"op": "add", "path": "/preparedClaims/-", "value": {"claimUID": "probe", "nodeName": node0}}]
     other = [{"op": "add", "path": "/preparedClaims/-", "value": {"claimUID": "probe2", "nodeName": node1}}]
+    marked = [{"op": "add", "path": "/preparedClaims/-",
+               "value": {"claimUID": "probe4", "nodeName": node0, "verified": True}}]  # fmt: skip
     # What refuses each: the CRD's write-once rule (it runs before admission), RBAC (no delete), the policy.
     why = {
         "a new channel": "channel is assigned once and never changes",
         "a delete": "cannot delete resource",
         "another node's claim": "denied request",
         "a record with a channel": "denied request",
+        "an entry marked verified": "may not mark a claim verified",
     }
     refused = {
         "a new channel": as_agent("patch", "computedomainclique", d00, "--type=merge", "-p", '{"channel": 99}'),
         "another node's claim": as_agent("patch", "computedomainclique", d00, "--type=json", "-p", json.dumps(other)),
         "a delete": as_agent("delete", "computedomainclique", d00, "--wait=false"),
+        "an entry marked verified": as_agent(
+            "patch", "computedomainclique", d00, "--type=json", "-p", json.dumps(marked)
+        ),
         "a record with a channel": as_agent("create", "-f", "-", input=json.dumps({
             "apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomainClique",
             "metadata": {"name": f"{uuid.uuid4()}.{next(iter(sim.topology.cliques()))}"},
@@ -390,6 +403,8 @@ async def test_exhaustion_names_the_limit_and_churn_never_hands_out_a_channel_st
     assert recs, "d01's record went while its pods still hold the channel"
     rec = recs[0]
     assert rec["metadata"].get("deletionTimestamp") and rec["channel"] == freed and len(rec["preparedClaims"]) == 2
+    # The controller saw both claims allocated there: their entries keep the channel, whatever becomes of them.
+    assert all(c.get("verified") for c in rec["preparedClaims"]), rec["preparedClaims"]
     # The starved domain, reconciled again (an annotation), names the nodes whose claims keep d01's channel.
     holders = sorted({c["nodeName"] for c in rec["preparedClaims"]})
     await sim.akubectl("annotate", "computedomain", "starved", "-n", sim.workload_ns, "example.com/poke=1")
@@ -434,7 +449,52 @@ async def test_exhaustion_names_the_limit_and_churn_never_hands_out_a_channel_st
     assert got in e_channels, (got, e_channels)
     await monitor.assert_clean()
 
-    # Teardown: every record and every lock goes once the pods and domains are gone.
+
+async def channel_for(sim: SimCluster, uid: str) -> int | None:
+    return (await channel_of(sim)).get(uid)
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
+async def test_entries_a_stolen_token_lists_never_keep_a_deleted_domains_channel(
+    rack: SimCluster, monitor: Monitor
+) -> None:
+    """A node agent's token lists, in a live domain's record, an entry of its own node for a claim that was
+    never allocated there. The controller verifies the domain's real entries and not that one, so once the
+    domain and its pods are gone the record goes and its channel is free (before, such an entry kept it taken
+    for as long as the token's holder liked). Marking an entry verified is not the token's to do."""
+    sim = rack
+    node0 = sim.topology.nodes[0].name
+    as_agent = agent_kubectl(sim, node0)
+    name = f"{uid_of(sim, 'd03')}.{next(iter(sim.topology.cliques()))}"
+    forged = {"claimUID": str(uuid.uuid4()), "nodeName": node0}
+    add = [{"op": "add", "path": "/preparedClaims/-", "value": forged}]
+    added = as_agent("patch", "computedomainclique", name, "--type=json", "-p", json.dumps(add))
+    assert added.returncode == 0, added.stderr
+
+    async def verified() -> list[dict[str, Any]] | None:
+        entries = (sim.get("computedomaincliques", name, sim.driver_ns) or {}).get("preparedClaims") or []
+        real = [c for c in entries if c["claimUID"] != forged["claimUID"]]
+        return entries if len(real) == 2 and all(c.get("verified") for c in real) else None
+
+    entries = await eventually(verified, within=60, what="d03's two real entries verified by the controller")
+    assert next(c for c in entries if c["claimUID"] == forged["claimUID"]).get("verified") is None, entries
+    await sim.akubectl("delete", "pod", pod_name(3, 0), pod_name(3, 1), "-n", sim.workload_ns, "--wait=true")
+    await sim.akubectl("delete", "computedomain", "d03", "-n", sim.workload_ns, "--wait=true", "--timeout=120s")
+
+    async def gone() -> bool:
+        return sim.get("computedomaincliques", name, sim.driver_ns) is None
+
+    await eventually(gone, within=60, what="d03's record gone, the forged entry dropped, its channel free")
+    await monitor.assert_clean()
+
+
+async def test_every_record_and_lock_goes_once_the_pods_and_domains_are_gone(
+    rack: SimCluster, monitor: Monitor
+) -> None:
+    sim = rack
     await sim.akubectl("delete", "pods", "--all", "-n", sim.workload_ns, "--wait=true", "--timeout=180s")
     await sim.delete_compute_domains(within=180)
 
@@ -446,11 +506,3 @@ async def test_exhaustion_names_the_limit_and_churn_never_hands_out_a_channel_st
 
     await eventually(nothing_left, within=180, what="no channel record and no channel lock left")
     await monitor.assert_clean()
-
-
-async def channel_for(sim: SimCluster, uid: str) -> int | None:
-    return (await channel_of(sim)).get(uid)
-
-
-async def _async(value: Any) -> Any:
-    return value

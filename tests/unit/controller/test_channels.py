@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, GROUP_VERSION
+from computedomain.api.models import ComputeDomainClique
 from computedomain.controller import channels
 from computedomain.controller.channels import (
     Action,
@@ -26,6 +27,7 @@ from computedomain.controller.channels import (
     Result,
     Taken,
     Unchanged,
+    VerifyClaims,
     plan,
 )
 
@@ -45,6 +47,7 @@ def rec(
     terminating: bool = False,
     created: str | None = None,
     finalizers: tuple[str, ...] = (COMPUTE_DOMAIN_FINALIZER,),
+    verified: tuple[tuple[str, str], ...] = (),
 ) -> Record:
     return Record(
         name=f"{dom(i)}.{C}",
@@ -55,6 +58,7 @@ def rec(
         clique_id=C,
         channel=channel,
         claims=claims,
+        verified=frozenset(verified),
         finalizers=finalizers,
         terminating=terminating,
         created=created if created is not None else f"2026-12-01T00:00:{i:02d}+00:00",
@@ -207,6 +211,38 @@ def test_holders_of_live_nodes_are_checked_once_per_pass() -> None:
     # pruned: the record lists no claim any more, so it is released
     state = channels.fold(space(held), check, replace(held, claims=()))
     assert plan(state, 2048).actions == (ReleaseRecord(replace(held, claims=(), holders_checked=True)),)
+
+
+def test_entries_the_claim_cache_shows_allocated_there_are_verified_before_anything_else() -> None:
+    """An entry is verified only when its claim is allocated on its node for the record's domain (the
+    executor's ``verifiable``); the rest of the record waits for that answer, then goes on as before."""
+    entries = (("c1", "n1"), ("c2", "n1"), ("forged", "n2"))
+    record = rec(1, claims=entries, verified=(("c2", "n1"),))
+    assert record.unverified == (("c1", "n1"), ("forged", "n2"))
+    state = replace(space(record), verifiable=frozenset({(record.name, "c1", "n1"), (rec(2).name, "forged", "n2")}))
+    assert plan(state, 2048).actions == (VerifyClaims(record, (("c1", "n1"),)),)
+    marked = replace(record, verified=frozenset({("c1", "n1"), ("c2", "n1")}))
+    state = channels.fold(state, VerifyClaims(record, (("c1", "n1"),)), marked)
+    assert plan(state, 2048).actions == (CreateLock(marked, 1),)
+    # Nothing verifiable: nothing to verify; a record being deleted then checks its holders live.
+    leaving = rec(3, channel=3, claims=entries, terminating=True)
+    assert plan(space(leaving), 2048).actions == (CheckHolders(leaving),)
+
+
+def test_record_of_reads_the_verified_mark() -> None:
+    clique = ComputeDomainClique.model_validate(
+        {
+            "metadata": {"name": f"{dom(1)}.{C}", "namespace": NS},
+            "preparedClaims": [
+                {"claimUID": "a", "nodeName": "n1", "verified": True},
+                {"claimUID": "b", "nodeName": "n1"},
+                {"claimUID": "a", "nodeName": "n2", "verified": False},
+            ],
+        }
+    )
+    record = channels.record_of(clique)
+    assert record.verified == {("a", "n1")}
+    assert record.unverified == (("b", "n1"), ("a", "n2"))
 
 
 def test_a_record_under_another_domains_name_or_outside_its_nodes_clique_gets_no_channel() -> None:

@@ -46,7 +46,10 @@ def claim(
 
 
 def test_a_claim_names_its_domain_and_nodes_only_when_its_channel_is_allocated() -> None:
-    assert decode_claim(claim()) == ClaimView("team", "w-0", UID, frozenset({NODE}))
+    assert decode_claim(claim()) == ClaimView("team", "w-0", UID, frozenset({NODE}), uid="claim-w-0")
+    assert decode_claim(claim()).allocated(UID, NODE)
+    assert not decode_claim(claim()).allocated(OTHER_UID, NODE)
+    assert not decode_claim(claim()).allocated(UID, "elsewhere")
     assert decode_claim(claim(device="channel-0-3")).nodes == {NODE}
     for other in (
         claim(allocated=False),

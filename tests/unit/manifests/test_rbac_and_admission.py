@@ -94,14 +94,15 @@ def test_exact_grants(default: Rendered) -> None:
 
 
 def test_exact_grants_with_channel_isolation() -> None:
-    """The records (the node agent creates and patches them; the controller also patches the channel in) and
-    the channel locks (Leases of the release namespace); docs/security.md says what narrows each."""
+    """The records (the node agent creates and patches them; the controller also patches the channel in), the
+    channel locks (Leases of the release namespace) and the claims (the controller verifies the records'
+    entries against them); docs/security.md says what narrows each."""
     r = render(
         *HOST_MANAGED, "featureGates.IMEXChannelIsolation=true", "resources.computeDomains.imex.isolation=channel"
     )
     assert _grants(r, "controller") == CONTROLLER | _v("resource.nvidia.com", "computedomaincliques", "patch") | _v(
         "coordination.k8s.io", "leases", "delete"
-    )
+    ) | _v("resource.k8s.io", "resourceclaims", "list", "watch")
     assert _grants(r, "kubelet-plugin") == NODE_AGENT | _v(
         "resource.nvidia.com", "computedomaincliques", *READ, "create", "patch"
     )
