@@ -238,9 +238,11 @@ class ChannelAssigner:
             return self._claims[0]
         if self._claims is not None and now - self._claims[1] < CLAIM_LIST_S:
             return None
+        # Stamped when asked: an entry seen before then was written after its claim's allocation, which a
+        # consistent list begun later shows.
         listed = await self.client.list_all(RESOURCE_CLAIMS, namespace=self.caches.cd_namespace)
         claims = {c.uid: c for c in map(decode_claim, listed.items)}
-        self._claims = (claims, time.monotonic())
+        self._claims = (claims, now)
         return claims
 
     async def _unfounded(self, record: Record) -> set[tuple[str, str]]:
