@@ -84,10 +84,14 @@ class ChannelAssigner:
         # the last live list of every claim (by UID) with when it was taken.
         self._first_seen: dict[str, dict[tuple[str, str, str], float]] = {}
         self._claims: tuple[dict[str, ClaimView], float] | None = None
+        # Set once the apiserver dropped the mark (a CRD older than the chart): verifying stops, not loops.
+        self._no_mark = False
 
     async def reconcile(self, clique_id: str) -> ReconcileResult:
         space = self.caches.clique_space(clique_id)
         space = replace(space, unbound=await self._unbound(space))
+        if self._no_mark:
+            space = replace(space, verifiable=frozenset())
         for name in sorted(space.unbound):
             log.info(
                 "no IMEX channel for %s/%s: it lists no claim of a node labelled %s=%s (a node agent asks only "
@@ -206,8 +210,18 @@ class ChannelAssigner:
             except NotFound:
                 return Gone()
             return channels.record_of(ComputeDomainClique.model_validate(raw))
+        written = channels.record_of(ComputeDomainClique.model_validate(raw))
+        if not any(entry in written.verified for entry in entries):
+            self._no_mark = True
+            log.error(
+                "the apiserver dropped preparedClaims[].verified from %s: its CRD is older than this controller; "
+                "upgrade the chart's CRDs (entries stay unverified until then: a deleted domain's record keeps only "
+                "claims a live list still shows allocated)",
+                record,
+            )
+            return replace(written, verified=written.verified | frozenset(entries))
         log.debug("verified prepared claims of %s claims=%s", record, ",".join(f"{u}@{n}" for u, n in entries))
-        return channels.record_of(ComputeDomainClique.model_validate(raw))
+        return written
 
     def _note_unverified(self, space: CliqueSpace) -> None:
         now = time.monotonic()
