@@ -69,6 +69,7 @@ from h2.settings import SettingCodes
 from hyperframe.frame import ContinuationFrame, DataFrame, Frame, HeadersFrame, RstStreamFrame
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
+from computedomain.metrics import Counter
 from computedomain.plugin.health import HealthReports
 from computedomain.plugin.preparer import (
     ClaimRef,
@@ -257,6 +258,14 @@ class _Frames(FrameBuffer):
         return super()._update_header_buffer(f)
 
 
+REFUSED = Counter(
+    "computedomain_plugin_grpc_refused_connections_total",
+    "gRPC connections (the health port, the kubelet's sockets) reset by the limit they broke: as they were "
+    "accepted, or (connections) to give their slot to a newcomer from an address holding fewer.",
+    ["limit"],
+)
+
+
 class _BoundedServer(Server):
     """grpclib's Server whose connections are `_Connection`s: it counts them, by peer address too."""
 
@@ -276,7 +285,10 @@ class _BoundedServer(Server):
 
     def admit(self, connection: _Connection, peer: str) -> bool:
         admission = self.slots.admit(connection, peer)
+        if admission.refused:
+            REFUSED.labels(admission.refused).inc()
         if admission.displaced is not None:
+            REFUSED.labels("connections").inc()
             admission.displaced.abort()
         return not admission.refused
 

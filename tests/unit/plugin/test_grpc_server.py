@@ -23,6 +23,7 @@ import pytest
 
 from computedomain.plugin.grpc_server import (
     HEALTH_BOUNDS,
+    REFUSED,
     SUPPORTED_VERSIONS,
     PluginServer,
     SocketPathError,
@@ -598,6 +599,7 @@ async def test_connections_beyond_the_cap_are_reset_and_idle_ones_closed(bounded
     all (the test's caps), resets the others as they are accepted, and closes the kept ones at the idle
     deadline; the previous server kept all ten for good."""
     assert bounded.health_port
+    before = {limit: REFUSED.labels(limit)._value.get() for limit in ("connections", "connections_per_peer")}
     clients = []
     for i in range(10):
         sock = socket.socket()
@@ -611,6 +613,10 @@ async def test_connections_beyond_the_cap_are_reset_and_idle_ones_closed(bounded
             # An admitted connection gets the server's SETTINGS at once; a refused one is reset.
             kept += bool(await asyncio.wait_for(reader.read(65536), 10))
     assert kept == 4
+    # The two addresses alternate: 2 each fill the 4 slots, and the 6 after them find every slot taken by an
+    # address holding as many as theirs (equal shares never displace each other).
+    refused = {limit: REFUSED.labels(limit)._value.get() - n for limit, n in before.items()}
+    assert refused == {"connections": 6, "connections_per_peer": 0}, refused
     for reader, writer in clients:  # the kept ones are closed at the idle deadline
         with contextlib.suppress(ConnectionError):
             while await asyncio.wait_for(reader.read(65536), 10):
@@ -641,7 +647,9 @@ async def test_addresses_that_fill_every_slot_do_not_keep_the_probe_out(
             assert await asyncio.wait_for(reader.read(65536), 10)  # admitted: the server's SETTINGS
             clients.append((reader, writer))
         assert len(bounded._servers["health"].slots) == 4
+        displaced = REFUSED.labels("connections")._value.get()
         assert await _health(bounded.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+        assert REFUSED.labels("connections")._value.get() == displaced + 1  # counted under the limit it broke
         oldest = clients[0][0]
         with contextlib.suppress(ConnectionError):
             while await asyncio.wait_for(oldest.read(65536), 10):
