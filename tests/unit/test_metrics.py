@@ -84,6 +84,7 @@ NODE_AGENT = {
     "computedomain_plugin_prepare_claims": ["counter", ["outcome"]],
     "computedomain_plugin_unprepare_claims": ["counter", ["outcome"]],
     "computedomain_plugin_prepare_seconds": ["histogram", []],
+    "computedomain_plugin_grpc_refused_connections": ["counter", ["limit"]],
     # the reference's names, labels and meaning (computedomain/plugin/metrics.py)
     "nvidia_dra_requests": ["counter", ["driver", "operation"]],
     "nvidia_dra_request_duration_seconds": ["histogram", ["driver", "operation"]],
