@@ -75,6 +75,10 @@ def build_binaries(target: str = "all") -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
+#: starts of the control plane on fresh ports when one was taken meanwhile (see ``LocalCluster._up``)
+PORT_TRIES = 3
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -222,7 +226,7 @@ class LocalCluster:
         with self._lock():
             return self._up()
 
-    def _up(self) -> bool:
+    def _up(self, port_tries: int = PORT_TRIES) -> bool:
         start = time.monotonic()
         bin_dir = build_binaries("control-plane")
         if self.healthy():
@@ -255,8 +259,14 @@ class LocalCluster:
                 if component.health_url:
                     self._wait_healthy(component)
             self._wait_ready()
-        except BaseException:
+        except BaseException as exc:
             self._down(quiet=True)
+            # A port found free was taken before its component bound it (any process's outgoing connection
+            # may get it from the ephemeral range): start again on other ports.
+            if isinstance(exc, RuntimeError) and "address already in use" in str(exc) and port_tries > 1:
+                first = str(exc).splitlines()[0].rstrip(":")
+                log(f"a port was taken before the control plane bound it ({first}); starting again on other ports")
+                return self._up(port_tries - 1)
             raise
         self.state_file.write_text(json.dumps({"ports": ports, "pids": pids, "bin": str(bin_dir), "ready": True,
                                                "generation": CONFIG_GENERATION,
