@@ -174,13 +174,12 @@ class _BoundedServer(web.Server):
         peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
         handler = super().__call__()
         admission = self.slots.admit(handler, peer)
+        if admission.reset_by:
+            REFUSED.labels(admission.reset_by).inc()
         if admission.refused:
-            REFUSED.labels(admission.refused).inc()
             return None
-        if admission.displaced is not None:
-            REFUSED.labels("connections").inc()
-            if admission.displaced.transport is not None:
-                admission.displaced.transport.abort()
+        if admission.displaced is not None and admission.displaced.transport is not None:
+            admission.displaced.transport.abort()
         return handler
 
     def connection_lost(self, handler: web.RequestHandler, exc: BaseException | None = None) -> None:

@@ -35,6 +35,12 @@ class Admission(Generic[C]):
     #: the connection whose slot it took: the caller resets it (its slot is already free)
     displaced: C | None = None
 
+    @property
+    def reset_by(self) -> str:
+        """The bound a connection is reset by, the new one's or the displaced one's ("" for neither): what the
+        callers' refused-connection counters are labelled with."""
+        return self.refused or ("connections" if self.displaced is not None else "")
+
 
 class Slots(Generic[C]):
     def __init__(self, total: int, per_peer: int) -> None:

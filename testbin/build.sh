@@ -50,11 +50,11 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   k8s_ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$k8s_minor"
   k8s_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
-helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+helm_ldflags="-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 helm_ldflags+=" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$k8s_minor"
 helm_ldflags+=" -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$k8s_minor"
 # One link line for the whole set: the linker ignores an -X whose variable a binary lacks.
-k8s_ldflags+=" ${helm_ldflags#-s -w } -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
+k8s_ldflags+=" $helm_ldflags -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
 etcd_ldflags="-s -w"
 containerd_ldflags="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
 containerd_ldflags+=" -X github.com/containerd/containerd/v2/version.Revision=testbed"

@@ -90,8 +90,6 @@ class ChannelAssigner:
     async def reconcile(self, clique_id: str) -> ReconcileResult:
         space = self.caches.clique_space(clique_id)
         space = replace(space, unbound=await self._unbound(space))
-        if self._no_mark:
-            space = replace(space, verifiable=frozenset())
         for name in sorted(space.unbound):
             log.info(
                 "no IMEX channel for %s/%s: it lists no claim of a node labelled %s=%s (a node agent asks only "
@@ -103,6 +101,8 @@ class ChannelAssigner:
             )
         self._note_unverified(space)
         for _ in range(MAX_ROUNDS):
+            if self._no_mark:
+                space = replace(space, verifiable=frozenset())
             plan = channels.plan(space, self.count)
             if not plan:
                 if plan.waiting:
@@ -219,7 +219,7 @@ class ChannelAssigner:
                 "claims a live list still shows allocated)",
                 record,
             )
-            return replace(written, verified=written.verified | frozenset(entries))
+            return written
         log.debug("verified prepared claims of %s claims=%s", record, ",".join(f"{u}@{n}" for u, n in entries))
         return written
 

@@ -285,10 +285,9 @@ class _BoundedServer(Server):
 
     def admit(self, connection: _Connection, peer: str) -> bool:
         admission = self.slots.admit(connection, peer)
-        if admission.refused:
-            REFUSED.labels(admission.refused).inc()
+        if admission.reset_by:
+            REFUSED.labels(admission.reset_by).inc()
         if admission.displaced is not None:
-            REFUSED.labels("connections").inc()
             admission.displaced.abort()
         return not admission.refused
 

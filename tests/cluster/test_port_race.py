@@ -4,6 +4,7 @@ controller-manager's first port is one this test listens on."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def test_a_port_taken_before_the_control_plane_binds_it_is_replaced(
         held.listen()
         taken = held.getsockname()[1]
         real = testbed_cluster.free_port
-        calls = iter(range(1000))
+        calls = itertools.count()
 
         def free_port() -> int:
             # The fourth port of the first start is the controller-manager's (see LocalCluster._up).

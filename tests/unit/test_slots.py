@@ -37,6 +37,10 @@ def test_addresses_holding_equal_shares_never_displace_each_other() -> None:
     assert slots.admit("e#5", "e") == Admission(displaced="a#0")  # e holds none: fewer than anyone
     assert list(slots) == ["b#1", "c#2", "d#3", "e#5"]
     assert slots.admit("e#6", "e") == Admission("connections")  # e holds as many as the busiest now
+    # What the refused-connection counters are labelled with: the bound, also for a displacement.
+    assert Admission[str]("connections_per_peer").reset_by == "connections_per_peer"
+    assert Admission(displaced="a#0").reset_by == "connections"
+    assert Admission[str]().reset_by == ""
 
 
 def test_a_released_slot_is_free_again() -> None:
