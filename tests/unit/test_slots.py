@@ -38,9 +38,11 @@ def test_addresses_holding_equal_shares_never_displace_each_other() -> None:
     assert list(slots) == ["b#1", "c#2", "d#3", "e#5"]
     assert slots.admit("e#6", "e") == Admission("connections")  # e holds as many as the busiest now
     # What the refused-connection counters are labelled with: the bound, also for a displacement.
-    assert Admission[str]("connections_per_peer").reset_by == "connections_per_peer"
+    per_peer: Admission[str] = Admission("connections_per_peer")
+    admitted: Admission[str] = Admission()
+    assert per_peer.reset_by == "connections_per_peer"
     assert Admission(displaced="a#0").reset_by == "connections"
-    assert Admission[str]().reset_by == ""
+    assert admitted.reset_by == ""
 
 
 def test_a_released_slot_is_free_again() -> None:
