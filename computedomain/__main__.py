@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 from computedomain.logs import configure_logging
@@ -108,10 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(run_controller(controller_settings))
         if command == "kubelet-plugin":
             plugin_settings = load_settings(PluginSettings, rest)
+            from computedomain.plugin.nvml_child import ChildNvmlSource
+
+            # The start-up NVML read runs in a child beside the agent's imports, not after them.
+            nvml = ChildNvmlSource(Path(plugin_settings.driver_root_mount)).start()
             from computedomain.plugin.app import main as run_plugin
 
             configure_logging(plugin_settings)
-            return _run(run_plugin(plugin_settings))
+            return _run(run_plugin(plugin_settings, nvml))
         if command == "status":
             return _status(rest)
         if command in ("validate", "validate-channel"):

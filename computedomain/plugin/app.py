@@ -88,15 +88,12 @@ class StartupError(Exception):
     """Start-up cannot continue; the message is the one line the operator sees."""
 
 
-def make_discovery(settings: PluginSettings, *, nvml_in_child: bool = False) -> HardwareDiscovery:
-    """NVML from the driver root, the driver's facts from PROC_ROOT. nvml_in_child: each NVML read in a child
-    process (`nvml_child`), so that pynvml never loads into this one."""
-    if nvml_in_child:
+def make_discovery(settings: PluginSettings, *, nvml_child: ChildNvmlSource | None = None) -> HardwareDiscovery:
+    """NVML from the driver root, the driver's facts from PROC_ROOT. nvml_child: each NVML read in a child
+    process (`nvml_child`), so that pynvml never loads into this one; without it, NVML in process."""
+    if nvml_child is not None:
         proc_root = Path(settings.proc_root)
-        return Discovery(
-            ChildNvmlSource(Path(settings.driver_root_mount)),
-            ProcFS(proc_root.parent, devices_path=proc_root / "devices"),
-        )
+        return Discovery(nvml_child, ProcFS(proc_root.parent, devices_path=proc_root / "devices"))
     return nvml_discovery(Path(settings.driver_root_mount), proc_root=Path(settings.proc_root))
 
 
@@ -433,11 +430,11 @@ async def _logged(name: str, make: Callable[[], Any]) -> None:
         raise
 
 
-async def serve(settings: PluginSettings, stop: asyncio.Event, *, nvml_in_child: bool = False) -> int:
+async def serve(settings: PluginSettings, stop: asyncio.Event, *, nvml_child: ChildNvmlSource | None = None) -> int:
     """The node agent until `stop` is set: 0 then, 1 when start-up or a background task fails (a start-up
     failure is one `error: ...` line on stderr). Installs no signal handlers: the caller owns `stop`
-    (`main`: SIGTERM/SIGINT; the test bed's pod host: the container's stop). nvml_in_child: see
-    `make_discovery` (the agent's own process: yes; agents hosted several to a process: no)."""
+    (`main`: SIGTERM/SIGINT; the test bed's pod host: the container's stop). nvml_child: see
+    `make_discovery` (the agent's own process: one; agents hosted several to a process: none)."""
     client = await KubeClient.for_component(settings, field_manager=COMPONENT)
     http: HttpServer | None = None
     try:
@@ -446,7 +443,7 @@ async def serve(settings: PluginSettings, stop: asyncio.Event, *, nvml_in_child:
         except UnsupportedServerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        agent = NodeAgent(settings, client, make_discovery(settings, nvml_in_child=nvml_in_child))
+        agent = NodeAgent(settings, client, make_discovery(settings, nvml_child=nvml_child))
         try:
             await asyncio.to_thread(agent.prepare_startup)
             if settings.http_endpoint:
@@ -476,10 +473,10 @@ async def _start_http(settings: PluginSettings, agent: NodeAgent) -> HttpServer:
         raise StartupError(f"cannot serve HTTP on HTTP_ENDPOINT {settings.http_endpoint!r}: {exc}") from None
 
 
-async def main(settings: PluginSettings) -> int:
-    """The process: `serve` until SIGTERM/SIGINT."""
+async def main(settings: PluginSettings, nvml_child: ChildNvmlSource | None = None) -> int:
+    """The process: `serve` until SIGTERM/SIGINT; NVML read in `nvml_child` (one started early) or a new one."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await serve(settings, stop, nvml_in_child=True)
+    return await serve(settings, stop, nvml_child=nvml_child or ChildNvmlSource(Path(settings.driver_root_mount)))

@@ -35,6 +35,34 @@ def test_the_child_answers_as_imex_nvml_does_in_process(tmp_path: Path, node: Si
     assert str(child.driver_version()) == str(here.driver_version())
 
 
+def test_a_read_started_early_answers_the_first_query_and_later_ones_start_their_own(tmp_path: Path) -> None:
+    root = write_fake_driver_root(tmp_path / "root", _tray(), imex=False)
+    later = _Child(json.dumps({**GOOD, "gpus": []}).encode())
+    source = ChildNvmlSource(root, run=later).start()
+    assert source.gpu_fabric_infos() == NvmlFabricSource(root).gpu_fabric_infos()  # the early child's answer
+    assert later.runs == 0
+    assert source.driver_version() == NvmlFabricSource(root).driver_version()  # reused from that read
+    assert source.gpu_fabric_infos() == [] and later.runs == 1
+
+
+def test_an_early_read_that_cannot_start_is_reported_by_the_first_query(tmp_path: Path) -> None:
+    source = ChildNvmlSource(tmp_path, python=str(tmp_path / "no-python")).start()
+    with pytest.raises(NvmlError, match="cannot start the NVML read"):
+        source.gpu_fabric_infos()
+
+
+def test_an_early_read_past_its_timeout_is_killed_and_a_timeout_error(tmp_path: Path) -> None:
+    sleeper = tmp_path / "python"
+    sleeper.write_text("#!/bin/sh\nexec sleep 30\n")
+    sleeper.chmod(0o755)
+    source = ChildNvmlSource(tmp_path, python=str(sleeper), timeout_s=0.2).start()
+    early = source._early
+    assert early is not None
+    with pytest.raises(NvmlError, match=r"took over 0\.2s"):
+        source.gpu_fabric_infos()
+    assert early.returncode is not None  # killed and reaped, not left running
+
+
 def test_an_unavailable_library_is_the_same_error(tmp_path: Path) -> None:
     root = write_fake_driver_root(tmp_path / "root", None, imex=False)
     for library in (root / lib_dir()).glob("libnvidia-ml.so*"):
