@@ -600,8 +600,8 @@ async def run(bench: Bench) -> None:
         "startup": fig("startup", "process start -> first reconcile's write observed",
                        Target("p99", 1.0, "< 1 s (reference ~0.9 s)")),
         "floor": fig("floor", "floor: CD + 4 direct writes per domain, all at once -> children observed"),
-        "burst": fig("burst", "controller: CD created -> all 3 children observed", Target("p99", 1.0, "p99 < 1 s")),
-        "ratio": fig("ratio", "controller / floor, p99 per round", Target("max", 2.0, "within 2x of the floor"),
+        "burst": fig("burst", "controller: CD created -> all 3 children observed"),
+        "ratio": fig("ratio", "controller / floor, p99 per round", Target("max", 1.2, "p99 within 1.2x of the floor"),
                      unit="x"),
         "ready": fig("ready", "last clique entry Ready -> CD Ready observed", Target("p99", 0.5, "p99 < 0.5 s"),
                      simulated=SIMULATED_READY),
@@ -699,7 +699,7 @@ def scale_section(section: Section, all_limits: list[Limits], sizes: Sizes) -> d
 
     return {
         "rss": fig("scale-rss", f"controller RSS with {count} domains and {nodes} nodes cached",
-                   Target("max", 80, "< 80 MiB"), unit="MiB", simulated=sim),
+                   Target("max", 100, "< 100 MiB (the reference: 136 MiB)"), unit="MiB", simulated=sim),
         "converge": fig("scale-converge", f"{count} domains created at once -> all Ready observed", simulated=sim),
         "trail": fig("scale-events-trail", "the last domain Ready -> every domain's Ready Event written", unit="s"),
         "trail-requests": fig("scale-trail-requests", "API requests in that time (the Ready Events)",
