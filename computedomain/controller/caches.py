@@ -209,7 +209,12 @@ class Caches:
         self._created[child.key] = (child, time.monotonic())
 
     def note_written(self, cd: ComputeDomain) -> None:
-        """Remember our own write of ``cd`` so the next reconcile does not act on the older cached copy."""
+        """Remember our own write of ``cd`` so the next reconcile does not act on the older cached copy. Not
+        for a domain the cache no longer has: the write that took its last finalizer off may answer after
+        the delete event, and nothing would drop the note then (a domain's copy kept for good)."""
+        if not self.cds.by_index("uid", cd.uid):
+            self._written.pop(cd.uid, None)
+            return
         self._written[cd.uid] = cd
 
     def _cd_seen(self, cd: ComputeDomain) -> None:
