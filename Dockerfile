@@ -35,12 +35,16 @@ COPY --from=build /opt/venv /opt/venv
 # Memory paid on every node (docs/design/0007): without PYDANTIC_DISABLE_PLUGINS the model library scans
 # every installed package's metadata for plugins at its first model (we use none), and glibc would give each
 # thread that allocates (asyncio.to_thread) an arena of its own; these processes allocate almost only on the
-# event loop's thread, so one arena serves them.
+# event loop's thread, so one arena serves them. A fixed mmap threshold keeps every block of 128 KiB or more
+# (each TLS connection's 256 KiB read buffer, large API answers) in a mapping of its own that goes back to the
+# kernel when freed; glibc's moving threshold puts them in the heap after the first is freed, where the
+# memory of closed connections stays (docs/design/0013).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYDANTIC_DISABLE_PLUGINS=__all__ \
-    MALLOC_ARENA_MAX=1
+    MALLOC_ARENA_MAX=1 \
+    MALLOC_MMAP_THRESHOLD_=131072
 LABEL org.opencontainers.image.title="computedomain" \
       org.opencontainers.image.description="ComputeDomain controller, DRA node agent and IMEX daemon" \
       org.opencontainers.image.licenses="Apache-2.0"

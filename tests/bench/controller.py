@@ -72,7 +72,7 @@ from computedomain.kube.informer import Informer
 from computedomain.settings import ControllerSettings, load_settings
 from tests.bench.figures import Figure, Section, Target, percentile
 from tests.bench.harness import Bench, Watching, cd_body, gather_limited, poll, release_finalizers, wait_for
-from tests.testbed import serviceaccount
+from tests.testbed import image, serviceaccount
 from tests.testbed.cluster import KWOK_NODE_ANNOTATION, REPO, free_port
 from tests.testbed.nodes import gb200_node
 
@@ -152,6 +152,7 @@ class ControllerProcess:
         self.port = free_port()
         env = {
             **{k: v for k, v in os.environ.items() if k not in ("KUBE_API_QPS", "KUBE_API_BURST", "KUBECONFIG")},
+            **image.runtime_env(),  # the allocator settings of the image, as in its pod
             **serviceaccount.cluster_env(bench.local.server),
             "NAMESPACE": driver_ns,
             "IMAGE_NAME": "registry.example/computedomain:bench",

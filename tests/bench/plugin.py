@@ -44,7 +44,7 @@ from computedomain.plugin.preparer import ClaimRef, ClaimUid
 from imex.host_check import check_host_imex_ready
 from tests.bench.figures import Figure, Target
 from tests.bench.harness import Bench, cd_body
-from tests.testbed import serviceaccount
+from tests.testbed import image, serviceaccount
 from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
 from tests.testbed.imex_simulator.wrappers import install_wrappers, package_root
 from tests.testbed.kubelet_client import KubeletClient
@@ -267,7 +267,8 @@ async def bench_cluster(bench: Bench, samples: int) -> Sample:
         write_fake_driver_root(root / "driver", SimulatedNode(name=node, clique=tray))
         account = await bench.service_account()  # the agent takes a pod's in-cluster path
         env = {
-            **{k: v for k, v in os.environ.items() if k != "KUBECONFIG"}, **serviceaccount.cluster_env(bench.local.server),
+            **{k: v for k, v in os.environ.items() if k != "KUBECONFIG"}, **image.runtime_env(),
+            **serviceaccount.cluster_env(bench.local.server),
             "NODE_NAME": node, "NAMESPACE": ns,
             "KUBELET_REGISTRAR_DIRECTORY_PATH": str(root / "reg"), "KUBELET_PLUGINS_DIRECTORY_PATH": str(root / "plugins"),
             "CDI_ROOT": str(root / "cdi"), "NVIDIA_DRIVER_ROOT": str(root / "driver"),

@@ -210,6 +210,14 @@ def parse_dockerfile(text: str) -> ImageSpec:
     return spec
 
 
+def runtime_env(dockerfile: Path = DOCKERFILE) -> dict[str, str]:
+    """The image's own ENV (not the base image's PATH and LANG): how our processes run in their containers,
+    the allocator's and the model library's settings included, for benchmarks that run them as processes
+    here."""
+    spec = parse_dockerfile(dockerfile.read_text())
+    return {k: v for k, v in spec.env.items() if k not in BASE_ENV}
+
+
 def dependencies() -> list[str]:
     """The one list of what goes in: pyproject.toml's [project] dependencies."""
     with (REPO / "pyproject.toml").open("rb") as handle:

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.testbed.image import DOCKERFILE, REPO, DockerfileError, dependencies, image_name, parse_dockerfile
+from tests.testbed.image import (
+    DOCKERFILE,
+    REPO,
+    DockerfileError,
+    dependencies,
+    image_name,
+    parse_dockerfile,
+    runtime_env,
+)
 from tests.testbed.oci import ImageConfig, write_archive, write_layer
 
 
@@ -101,3 +109,9 @@ def test_the_oci_archive_is_a_valid_layout(tmp_path: Path) -> None:
                                    "digest": layer.digest, "size": layer.size}]  # fmt: skip
     assert config["rootfs"]["diff_ids"] == [layer.diff_id]
     assert config["config"] == {"Env": ["A=1"], "Cmd": ["hello"], "User": "65532", "WorkingDir": "/"}
+
+
+def test_the_benchmarks_run_our_processes_with_the_images_own_environment() -> None:
+    env = runtime_env()
+    assert env["MALLOC_ARENA_MAX"] == "1" and env["PYDANTIC_DISABLE_PLUGINS"] == "__all__"
+    assert "PATH" not in env and "LANG" not in env  # the base image's, and the venv's path: not for a process here
