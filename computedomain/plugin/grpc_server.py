@@ -66,7 +66,7 @@ from grpclib.server import Server, Stream
 from h2.exceptions import ProtocolError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
-from hyperframe.frame import ContinuationFrame, DataFrame, Frame, HeadersFrame, RstStreamFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, ExtensionFrame, Frame, HeadersFrame, RstStreamFrame
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
 from computedomain.metrics import Counter
@@ -190,6 +190,11 @@ class Bounds:
     #: until the connection ends, and every later WINDOW_UPDATE or SETTINGS walks all of them
     streams_per_life: int | None = None
     resets_per_life: int = 1024
+    #: frames outside a call's headers and message (PING, SETTINGS, WINDOW_UPDATE, PRIORITY, GOAWAY, HEADERS
+    #: again on a stream already open, empty DATA, frame types HTTP/2 does not define) a connection may send
+    #: over its life (None: no bound); h2 answers PINGs and SETTINGS by itself, so a connection that only
+    #: sends those would otherwise hold the loop for as long as it keeps sending
+    control_frames_per_life: int | None = None
 
 
 #: the TCP health port, which any pod reaches: a message of a service name, few calls, short deadlines
@@ -202,6 +207,7 @@ HEALTH_BOUNDS: Final = Bounds(
     request_s=5.0,
     streams_per_life=16,  # a probe dials for each Check
     resets_per_life=16,
+    control_frames_per_life=128,  # a grpc-go client: a few per connection and per call
 )
 #: the kubelet's unix sockets (root on the node reaches them): its messages, its 45 s deadline, its connection
 #: kept across calls (closed when idle for 5 min; grpc-go dials again for the next call)
@@ -221,34 +227,43 @@ KUBELET_BOUNDS: Final = Bounds(
 
 class _Frames(FrameBuffer):
     """h2's frame buffer with a bound on a header block (h2 joins up to 64 CONTINUATION frames, 1 MiB, and
-    hpack decodes the block in pure Python, about 1.5 µs a byte when Huffman-coded) and on the streams a
-    connection opens and resets over its life (`Bounds.streams_per_life`, `resets_per_life`); empty DATA
-    frames (no data, no padding, not the end of the stream) are passed over."""
+    hpack decodes the block in pure Python, about 1.5 µs a byte when Huffman-coded) and on what a connection
+    sends over its life (`Bounds.streams_per_life`, `resets_per_life`, `control_frames_per_life`). Empty DATA
+    frames (no data, no padding, not the end of the stream) and frames of types HTTP/2 does not define are
+    passed over, as RFC 9113 asks of the latter (grpclib ended the connection with a traceback on them)."""
 
     def __init__(self, bounds: Bounds) -> None:
         super().__init__(server=True)
         self._max_block = bounds.max_header_block_bytes
         self._streams_left = bounds.streams_per_life
         self._resets_left = bounds.resets_per_life
+        self._control_left = bounds.control_frames_per_life
         self._last_stream = 0
 
     def __next__(self) -> Frame:
-        f = super().__next__()
-        while isinstance(f, DataFrame) and not f.flow_controlled_length and "END_STREAM" not in f.flags:
-            # Empty DATA carries nothing, and grpclib would take it for the end of the message (an error it
-            # logs with a traceback) and queue an entry for each: it is passed over.
+        while True:
             f = super().__next__()
-        if isinstance(f, HeadersFrame) and f.stream_id > self._last_stream:  # a new call (not its trailers)
-            self._last_stream = f.stream_id
-            if self._streams_left is not None:
-                self._streams_left -= 1
-                if self._streams_left < 0:
-                    raise ProtocolError("more calls than one connection may open")
-        elif isinstance(f, RstStreamFrame):
-            self._resets_left -= 1
-            if self._resets_left < 0:
-                raise ProtocolError("more streams reset than one connection may reset")
-        return f
+            # Empty DATA carries nothing, and grpclib would take it for the end of the message (an error it
+            # logs with a traceback) and queue an entry for each.
+            skip = isinstance(f, ExtensionFrame) or (
+                isinstance(f, DataFrame) and not f.flow_controlled_length and "END_STREAM" not in f.flags
+            )
+            if isinstance(f, HeadersFrame) and f.stream_id > self._last_stream:  # a new call
+                self._last_stream = f.stream_id
+                if self._streams_left is not None:
+                    self._streams_left -= 1
+                    if self._streams_left < 0:
+                        raise ProtocolError("more calls than one connection may open")
+            elif isinstance(f, RstStreamFrame):
+                self._resets_left -= 1
+                if self._resets_left < 0:
+                    raise ProtocolError("more streams reset than one connection may reset")
+            elif (skip or not isinstance(f, DataFrame)) and self._control_left is not None:
+                self._control_left -= 1
+                if self._control_left < 0:
+                    raise ProtocolError("more frames outside calls than one connection may send")
+            if not skip:
+                return f
 
     def _update_header_buffer(self, f: Frame | None) -> Frame | None:
         if isinstance(f, HeadersFrame | ContinuationFrame):
