@@ -64,6 +64,7 @@ from computedomain.kube.decoding import (
 from computedomain.kube.errors import (
     KubeError,
     Permanent,
+    TooLarge,
     TooManyRequests,
     Transient,
     error_from_response,
@@ -578,7 +579,7 @@ class KubeClient:
                     )
                 code = str(status)
             except _BodyTooLargeError:
-                raise Permanent(f"{verb} {path}: the response is over {limit:,} bytes, the limit") from None
+                raise TooLarge(f"{verb} {path}: the response is over {limit:,} bytes, the limit") from None
             except kube_config.ConfigError as exc:  # a credential that could not be renewed
                 raise Permanent(f"{verb} {path}: {exc}", status=401, reason="Unauthorized") from None
             except TimeoutError as exc:
@@ -613,26 +614,40 @@ class KubeClient:
         limit: int | None = None,
         continue_token: str | None = None,
     ) -> ObjectList:
-        """One page of a list. An expired ``continue_token`` raises ``Gone``: start the list again."""
-        query = _list_query(
-            label_selector=label_selector,
-            field_selector=field_selector,
-            limit=limit,
-            continue_token=continue_token,
-        )
+        """One page of a list. An expired ``continue_token`` raises ``Gone``: start the list again.
+
+        A page longer than ``MAX_PAGE_BYTES`` is asked for again with half as many items, down to one, and
+        the smaller page comes back with its continue token: tenants' objects of a megabyte each (finalizers
+        and annotations have no count limit) make a page of 500 hundreds of MiB, which would cost the reader
+        several times that to decode, or fail it for good over ``MAX_BODY``."""
         path = resource.path(namespace=namespace)
-        data = await self._request(
-            "GET",
-            path,
-            verb="list",
-            resource=resource.plural,
-            qualified=resource.qualified,
-            namespace=namespace,
-            query=query,
-            body=None,
-            content_type=_JSON,
-            max_bytes=None,
-        )
+        page = limit
+        while True:
+            query = _list_query(
+                label_selector=label_selector,
+                field_selector=field_selector,
+                limit=page,
+                continue_token=continue_token,
+            )
+            try:
+                data = await self._request(
+                    "GET",
+                    path,
+                    verb="list",
+                    resource=resource.plural,
+                    qualified=resource.qualified,
+                    namespace=namespace,
+                    query=query,
+                    body=None,
+                    content_type=_JSON,
+                    max_bytes=MAX_PAGE_BYTES,
+                )
+                break
+            except TooLarge:
+                if page == 1:
+                    raise
+                page = max(1, (page or UNPAGED_ITEMS) // 2)
+                log.debug("list page over %d bytes: asking for %d items list=%s", MAX_PAGE_BYTES, page, path)
         try:
             decoded = decode(data)
             items, rejected = decode_items(decoded, ("items",))
@@ -899,6 +914,11 @@ class KubeClient:
 
 #: the largest response body read into memory (a list of thousands of objects is a few MiB)
 MAX_BODY = 256 * 1024 * 1024
+#: the largest list page read into memory; a longer one is asked for again with fewer items (``list``).
+#: Larger than any one object (etcd stores up to 1.5 MiB), far larger than a page of 500 usual objects
+MAX_PAGE_BYTES = 16 * 1024 * 1024
+#: the items a list asked for without a limit is cut to first when its answer is over ``MAX_PAGE_BYTES``
+UNPAGED_ITEMS = 500
 #: watch streams a process keeps open at once besides its requests (one per informer; the controller has 8)
 MAX_WATCHES = 64
 #: an idle kept-alive connection is closed after this long (the apiserver would keep it 90 s). Short: each TLS

@@ -48,6 +48,7 @@ __all__ = [
     "KubeError",
     "NotFound",
     "Permanent",
+    "TooLarge",
     "TooManyRequests",
     "Transient",
     "error_from_response",
@@ -152,6 +153,14 @@ class Transient(KubeError):  # noqa: N818 (the taxonomy's names are the API)
 
 class Permanent(KubeError):  # noqa: N818 (the taxonomy's names are the API)
     """Retrying the same request cannot help (bad request, forbidden, invalid object, ...)."""
+
+
+class TooLarge(Permanent):
+    """An answer longer than the reader's bound (no HTTP status of its own: the apiserver answered 200)."""
+
+    @property
+    def permanent(self) -> bool:
+        return True
 
 
 class Invalid(Permanent):

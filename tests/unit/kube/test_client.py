@@ -11,6 +11,7 @@ from urllib.parse import parse_qs
 
 import pytest
 
+from computedomain.kube import client as client_module
 from computedomain.kube import errors
 from computedomain.kube.client import (
     COMPUTE_DOMAINS,
@@ -21,7 +22,7 @@ from computedomain.kube.client import (
     KubeClient,
 )
 from computedomain.kube.config import Credentials
-from tests.unit.kube.apistub import ApiStub, status_reply
+from tests.unit.kube.apistub import ApiStub, Recorded, Reply, json_reply, status_reply
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -278,3 +279,37 @@ async def test_retries_back_off_with_jitter_and_stop_before_the_calls_deadline(
     assert len(set(round(s / 2**n, 6) for n, s in enumerate(clock.slept))) > 1, "jittered, not a fixed factor"
     assert sum(clock.slept) < 10.0, "no wait runs past the call's deadline"
     assert len(fake.requests) == len(clock.slept) + 1 < 10
+
+
+async def test_a_list_page_over_the_bound_is_asked_for_again_with_fewer_items(
+    api: tuple[ApiStub, KubeClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant's objects of about a megabyte each make a page of 500 hundreds of MiB (the reader pays
+    several times that to decode it, or fails for good over the body bound): the page is asked for again
+    with half the items until it fits, and the smaller page comes back with its continue token."""
+    monkeypatch.setattr(client_module, "MAX_PAGE_BYTES", 4096)
+    fake, client = api
+    big = "x" * 1000
+
+    def answer(request: Recorded) -> Reply:
+        limit = int(parse_qs(request.target.partition("?")[2])["limit"][0])
+        items = [{"metadata": {"name": f"cd{i}", "annotations": {"pad": big}}} for i in range(limit)]
+        return json_reply({"metadata": {"resourceVersion": "9", "continue": "next"}, "items": items})
+
+    fake.answer = answer
+    page = await client.list(COMPUTE_DOMAINS, limit=8)
+    asked = [parse_qs(r.target.partition("?")[2])["limit"] for r in fake.requests]
+    assert asked == [["8"], ["4"], ["2"]]  # 8 and 4 items of 1 KiB are over 4 KiB, 2 fit
+    assert [i["metadata"]["name"] for i in page.items] == ["cd0", "cd1"] and page.continue_token == "next"
+
+
+async def test_one_object_over_the_page_bound_is_an_error_that_says_so(
+    api: tuple[ApiStub, KubeClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "MAX_PAGE_BYTES", 512)
+    fake, client = api
+    fake.answer = lambda _: json_reply({"metadata": {}, "items": [{"metadata": {"name": "a", "x": "y" * 1000}}]})
+    with pytest.raises(errors.TooLarge, match="over 512 bytes") as err:
+        await client.list(COMPUTE_DOMAINS, limit=2)
+    assert err.value.permanent  # the informer names it in its failure (readiness), rather than retrying quietly
+    assert [parse_qs(r.target.partition("?")[2])["limit"] for r in fake.requests] == [["2"], ["1"]]
