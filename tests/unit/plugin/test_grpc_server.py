@@ -712,18 +712,13 @@ async def test_streams_reset_at_once_lose_the_connection(preparer: FakePreparer,
     bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0)
     async with PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds) as srv:
         assert srv.health_port
-        client = await RawClient.connect(srv.health_port)
-        try:
+
+        def rapid_reset(conn: h2.connection.H2Connection) -> None:
             for stream in range(1, 2 * 200, 2):
-                client.h2.send_headers(stream, GRPC_HEADERS)
-                client.h2.reset_stream(stream)
-            with contextlib.suppress(ConnectionError):
-                await client.flush()
-            await asyncio.wait_for(client.read_until(lambda _: False), 10)
-            assert client.closed
-        finally:
-            client.close()
-        assert await _health(srv.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+                conn.send_headers(stream, GRPC_HEADERS)
+                conn.reset_stream(stream)
+
+        await _closed_after(srv.health_port, rapid_reset)
 
 
 async def test_frames_outside_calls_lose_the_connection(preparer: FakePreparer, paths: SocketPaths) -> None:
@@ -735,17 +730,22 @@ async def test_frames_outside_calls_lose_the_connection(preparer: FakePreparer, 
     bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0)
     async with PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds) as srv:
         assert srv.health_port and bounds.control_frames_per_life
-        client = await RawClient.connect(srv.health_port)
-        try:
-            for n in range(bounds.control_frames_per_life + 1):
-                client.h2.ping(n.to_bytes(8, "big"))
-            with contextlib.suppress(ConnectionError):
-                await client.flush()
-            await asyncio.wait_for(client.read_until(lambda _: False), 10)
-            assert client.closed
-        finally:
-            client.close()
-        assert await _health(srv.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+        pings = bounds.control_frames_per_life + 1
+        await _closed_after(srv.health_port, lambda conn: [conn.ping(n.to_bytes(8, "big")) for n in range(pings)])
+
+
+async def _closed_after(port: int, send: Callable[[h2.connection.H2Connection], object]) -> None:
+    """What `send` queues on a fresh connection loses it (within 10 s), and the port still answers a probe."""
+    client = await RawClient.connect(port)
+    try:
+        send(client.h2)
+        with contextlib.suppress(ConnectionError):
+            await client.flush()
+        await asyncio.wait_for(client.read_until(lambda _: False), 10)
+        assert client.closed
+    finally:
+        client.close()
+    assert await _health(port, "liveness") == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_frame_types_http2_does_not_define_are_passed_over(
