@@ -244,3 +244,16 @@ def test_helm_refuses_a_cluster_older_than_1_34() -> None:
     assert "requires kubeVersion: >=1.34.0-0 which is incompatible with Kubernetes v1.33.4" in old.stderr
     assert template("1.34.0").returncode == 0
     assert template("1.35.0-eks-1b0b7f6").returncode == 0
+
+
+def test_channel_isolation_grants_and_confines_the_node_agent_in_the_overridden_namespace() -> None:
+    """With namespaceOverride, every object of channel isolation (the Roles, their bindings, the records
+    policy's node agent) is in the namespace the ServiceAccounts are in, not the release's: the node agent
+    then gets its grants and the policy applies to it (before, neither did)."""
+    isolated = render("resources.computeDomains.imex.mode=hostManaged", GATE, ISOLATION_GATE, ISOLATED,
+                      "namespaceOverride=objs", namespace="rel")  # fmt: skip
+    assert {o["metadata"]["namespace"] for o in isolated.objects if "namespace" in o["metadata"]} == {"objs"}
+    subjects = [s for b in isolated.all("RoleBinding") for s in b.get("subjects", [])]
+    assert subjects and {s["namespace"] for s in subjects} == {"objs"}
+    (policy,) = [p for p in isolated.all("ValidatingAdmissionPolicy") if "channel-records" in p["metadata"]["name"]]
+    assert "system:serviceaccount:objs:" in str(policy["spec"]) and "system:serviceaccount:rel:" not in str(policy)
