@@ -10,7 +10,7 @@ the child saw, so callers behave as with `imex.nvml.NvmlFabricSource` in process
 start and the pynvml import (about 0.1 s of CPU); the driver version of the last read is reused for
 `REUSE_S`, so start-up's clique read and its driver checks are one child. That first child is started
 before the agent imports its own modules (`start`, from `computedomain.__main__`): it runs beside the
-imports instead of after them, 60-100 ms off the agent's start-up to serving.
+imports instead of after them, about 70 ms off the agent's start-up to serving (design note 0007).
 
 The agent's own process uses it (`app.main`); agents hosted several to a process (the test bed's pod host)
 read in process, where a child per agent and read would cost more than the module it keeps out.
