@@ -19,11 +19,14 @@ class               typical cause                           who reacts, how
 ``Permanent``       400, 401, 403, 405, 415, 422, ...       nobody retries at call level
 ``Invalid``         422 (a ``Permanent``), ``causes``       caller: report the field, stop
 ``Forbidden``       403 (a ``Permanent``)                   caller: report RBAC problem (or quota)
+``TooLarge``        an answer over the reader's bound       list: ask for fewer items; else permanent
 ==================  ======================================  =========================================
 
 Whether an error is worth retrying is decided by its HTTP status code alone (``KubeError.permanent``), never
 by class names: 4xx codes other than 404, 408, 409, 410 and 429 and the 501 cannot heal by repeating the
-request; everything else (including "no response", code 0) can. The client records which request failed
+request; everything else (including "no response", code 0) can. One exception, as it has no code: an answer
+the client itself refuses to read because it is over its bound (``TooLarge``) is permanent, since the same
+request gets the same answer. The client records which request failed
 (``verb``, ``resource``, ``namespace``), so ``explain`` can say in one line which permission is missing, which
 field is invalid or which quota is exhausted, and what to do about it.
 
