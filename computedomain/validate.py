@@ -9,7 +9,8 @@ One run, each step timed:
    required anti-affinity on the run's label, node affinity on the chosen names). Each pod claims the domain's
    channel; its init container (`validate-channel`, below) checks the channel device it was given and
    writes the result as its termination message; its main container then holds the claim, so the node stays
-   in the domain until the run ends.
+   in the domain until the run ends. The Job is created once the controller has made the domain's channel
+   ResourceClaimTemplate: a pod made before it gets no claim, and its Events would name that, not the node.
 3. **channel**: per node, the init container's verdict: a channel device under
    ``/dev/nvidia-caps-imex-channels`` that is a character device with the major the node's driver registered
    for ``nvidia-caps-imex-channels`` (read from the node's ``/proc/devices``, or the ``PROC_ROOT`` the node
@@ -52,6 +53,7 @@ from computedomain.kube.client import (
     EVENTS,
     NODES,
     PODS,
+    RESOURCE_CLAIM_TEMPLATES,
     RESOURCE_SLICES,
     KubeClient,
     Raw,
@@ -399,9 +401,15 @@ async def run(client: KubeClient, options: Options, *, host_managed: bool, poll:
     ns = options.namespace
     try:
         await client.create(COMPUTE_DOMAINS, compute_domain(options), namespace=ns)
-        await client.create(JOBS, job(options, agent), namespace=ns)
         t0 = time.monotonic()
         deadline = t0 + options.timeout
+        if not await _template_made(client, options, within=options.timeout):
+            result.reason = (
+                f"the controller made no ResourceClaimTemplate {options.name}-channel in {ns} within "
+                f"{options.timeout:g}s: is the controller running? ({_domain_verdict(await _get(client, options.name, ns))})"
+            )
+            return result
+        await client.create(JOBS, job(options, agent), namespace=ns)
         last: dict[str, Any] = {}
 
         async def observe() -> bool:
@@ -471,6 +479,26 @@ def _domain_verdict(cd: Raw | None) -> str:
         return "Ready"
     cond: Raw = next((c for c in status.get("conditions") or () if c.get("type") == "Ready"), {})
     return str(cond.get("message") or "no status yet")
+
+
+async def _template_made(client: KubeClient, options: Options, within: float, poll: float = 0.2) -> bool:
+    """Whether the domain's channel ResourceClaimTemplate exists within ``within`` seconds."""
+
+    async def made() -> bool:
+        try:
+            await client.get(RESOURCE_CLAIM_TEMPLATES, f"{options.name}-channel", namespace=options.namespace)
+        except NotFound:
+            return False
+        return True
+
+    return bool(
+        await AsyncRetrying(
+            wait=wait_fixed(poll),
+            stop=stop_after_delay(within),
+            retry=retry_if_result(lambda done: not done),
+            retry_error_callback=lambda state: False,
+        )(made)
+    )
 
 
 async def _get(client: KubeClient, name: str, namespace: str) -> Raw | None:

@@ -1,7 +1,9 @@
 """`computedomain validate` on a simulated rack installed by helm: it passes on healthy nodes (each pod's
 channel device has its node's major, every daemon READY, the domain Ready), it fails naming the node and
 why when that node's IMEX dies at every start (its daemon is not READY, so the node agent does not finish
-preparing the channel there), and it leaves nothing behind either way."""
+preparing the channel there), when no controller makes the domain's channel template it says so before any
+pod exists (a pod made before its template gets no claim, and its Events would name that instead of the
+node), and it leaves nothing behind either way."""
 
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ async def rack(cluster: Cluster) -> AsyncIterator[SimCluster]:
         yield sim
 
 
-def _options(sim: SimCluster, timeout: float) -> validate.Options:
+def _options(sim: SimCluster, timeout: float, namespace: str = "") -> validate.Options:
     return validate.Options(
-        namespace=sim.workload_ns,
+        namespace=namespace or sim.workload_ns,
         image=chart_image(),
         node_selector=f"{SELECTOR_LABEL}={sim.id}",
         count=2,
@@ -51,10 +53,11 @@ def _options(sim: SimCluster, timeout: float) -> validate.Options:
     )
 
 
-async def _nothing_left(sim: SimCluster) -> None:
+async def _nothing_left(sim: SimCluster, namespace: str = "") -> None:
     assert sim.client is not None
-    left = await sim.client.list_all(PODS, namespace=sim.workload_ns, label_selector=validate.RUN_LABEL)
-    domains = await sim.client.list_all(COMPUTE_DOMAINS, namespace=sim.workload_ns, label_selector=validate.RUN_LABEL)
+    ns = namespace or sim.workload_ns
+    left = await sim.client.list_all(PODS, namespace=ns, label_selector=validate.RUN_LABEL)
+    domains = await sim.client.list_all(COMPUTE_DOMAINS, namespace=ns, label_selector=validate.RUN_LABEL)
     assert [p["metadata"]["name"] for p in left.items] == []  # not even Terminating ones
     assert domains.items == []
 
@@ -91,6 +94,20 @@ async def test_a_node_whose_imex_dies_fails_with_its_name_and_reason(rack: SimCl
     assert not by_node[broken.name].ok and "IMEX daemon" in by_node[broken.name].reason, text
     assert validate.verdict(result).startswith("FAIL: "), text
     await _nothing_left(sim)
+
+
+async def test_no_channel_template_fails_before_any_pod(rack: SimCluster, namespace: str) -> None:
+    """The rack's controller watches its workload namespace only: in another one nobody makes the template."""
+    sim = rack
+    assert sim.client is not None
+    result = await validate.run(sim.client, _options(sim, timeout=3, namespace=namespace), host_managed=False)
+    text = validate.table(result) + "\n" + validate.verdict(result)
+    assert not result.ok and "made no ResourceClaimTemplate" in result.reason, text
+    assert f"in {namespace} within 3s: is the controller running?" in result.reason, text
+    assert validate.verdict(result).startswith("FAIL: the controller made no"), text
+    await _nothing_left(sim, namespace)
+    jobs = await sim.client.list_all(validate.JOBS, namespace=namespace)
+    assert jobs.items == [], "the Job is made only once the template exists"
 
 
 async def test_helm_test_runs_the_same_check_in_the_image(rack: SimCluster) -> None:
