@@ -457,8 +457,8 @@ class KubeClient:
             return {}
         if not isinstance(decoded.value, dict):
             raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded.value).__name__}")
-        if decoded.cuts:
-            reason = decoded.reason(decoded.cuts[0])
+        reason = rejection(decoded, ())
+        if reason:
             raise Permanent(f"{verb} {path}: {reason}").for_request(verb, qualified, namespace)
         return decoded.value
 

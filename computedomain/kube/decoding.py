@@ -19,6 +19,12 @@ then the bytes are scanned once (``prune``): every value nested deeper than ``MA
 event, that held such a value comes back as a ``Rejected`` (its metadata intact, so it can be named and
 told), and the other items as usual: one object's failure costs only itself.
 
+Except a value cut under an object's ``metadata.managedFields``: anyone who may update an object may write
+those entries, nested as deep as they like (the apiserver stores them as sent), and nothing here reads them.
+Were that a rejection, a tenant could hide its own ResourceClaim from every reader (the claim cache, the
+controller's live lists) and so make rules that count claims fail open; the object is kept, the cut value
+``null`` (``unread``).
+
 Pure functions; no I/O, no state.
 """
 
@@ -45,6 +51,7 @@ __all__ = [
     "partial",
     "rejection",
     "too_large",
+    "unread",
 ]
 
 #: Levels of nesting a response may have, counted from its root (level 1; a list's items are at level 3, a
@@ -134,14 +141,25 @@ def decode(data: bytes) -> Decoded:
         raise DecodeError(f"not JSON: {exc}") from None
 
 
+#: Where in an object a cut is no rejection (module docstring).
+UNREAD: Final = ("metadata", "managedFields")
+
+
+def unread(cut: _Cut, at: int) -> bool:
+    """Whether ``cut`` is under ``metadata.managedFields`` of the object whose path starts ``at`` components in."""
+    return cut.path[at : at + len(UNREAD)] == UNREAD
+
+
 def rejection(decoded: Decoded, prefix: Path) -> str | None:
-    """Why the value at ``prefix`` (e.g. ``("object",)`` of a watch event) is rejected: its first cut, named
-    from the value's own root; None when it has none. A cut outside it is a ``DecodeError``."""
+    """Why the value at ``prefix`` (e.g. ``("object",)`` of a watch event, ``()`` of a single object) is
+    rejected: its first cut outside what is never read, named from the value's own root; None when it has
+    none. A cut outside it is a ``DecodeError``."""
     reason = None
     for cut in decoded.cuts:
         if cut.path[: len(prefix)] != prefix:
             raise DecodeError(decoded.reason(cut))
-        reason = reason or decoded.reason(cut, strip=len(prefix))
+        if not unread(cut, len(prefix)):
+            reason = reason or decoded.reason(cut, strip=len(prefix))
     return reason
 
 
@@ -158,7 +176,8 @@ def decode_items(decoded: Decoded, prefix: Path) -> tuple[list[Any], list[Reject
         index = cut.path[len(prefix)] if len(cut.path) > len(prefix) else None
         if cut.path[: len(prefix)] != prefix or not isinstance(index, int) or index >= len(items):
             raise DecodeError(decoded.reason(cut))
-        bad.setdefault(index, decoded.reason(cut, strip=len(prefix) + 1))
+        if not unread(cut, len(prefix) + 1):
+            bad.setdefault(index, decoded.reason(cut, strip=len(prefix) + 1))
     good = [item for i, item in enumerate(items) if i not in bad]
     rejected = [Rejected(items[i] if isinstance(items[i], dict) else {}, reason) for i, reason in sorted(bad.items())]
     return good, rejected

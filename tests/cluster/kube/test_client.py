@@ -12,6 +12,7 @@ import pytest
 
 from computedomain.kube import errors
 from computedomain.kube.client import COMPUTE_DOMAINS, RESOURCE_CLAIM_TEMPLATES, KubeClient, Raw
+from computedomain.kube.decoding import MAX_DEPTH
 from tests.cluster.kube.conftest import CONFIGMAPS, compact_etcd
 from tests.conftest import Cluster
 
@@ -173,3 +174,30 @@ async def test_created_opaque_configs_stay_byte_stable_so_metadata_patches_pass(
     )
     assert patched["metadata"]["finalizers"] == ["example.com/f"]
     await kube.merge_patch(RESOURCE_CLAIM_TEMPLATES, "channel", {"metadata": {"finalizers": None}}, namespace=namespace)
+
+
+async def test_managed_fields_nested_too_deep_hide_no_object(kube: KubeClient, namespace: str) -> None:
+    """Whoever may update an object may write its ``metadata.managedFields`` nested as deep as they like (the
+    apiserver stores them as sent): a tenant could hide its own ResourceClaim from every reader that way and
+    make rules that count claims fail open. The object is read (get, list, watch), those entries cut; before,
+    each reader rejected it (get an error, list and watch left it out)."""
+    await kube.create(CONFIGMAPS, configmap("deep", a="b"), namespace=namespace)
+    fields: dict[str, Any] = {}
+    for level in range(MAX_DEPTH + 50):
+        fields = {f"f:k{level}": fields}
+    start = await kube.list(CONFIGMAPS, namespace=namespace)
+    stream = kube.watch(CONFIGMAPS, namespace=namespace, resource_version=start.resource_version, timeout_seconds=30)
+    entry = {"manager": "tenant", "operation": "Update", "apiVersion": "v1", "fieldsType": "FieldsV1",
+             "fieldsV1": fields, "time": "2026-12-06T00:00:00Z"}  # fmt: skip
+    await kube.merge_patch(CONFIGMAPS, "deep", {"metadata": {"managedFields": [entry]}}, namespace=namespace)
+    async with contextlib.aclosing(stream):
+        async for event in stream:
+            if event.type == "MODIFIED":
+                assert event.rejected is None and event.object["data"] == {"a": "b"}
+                break
+    got = await kube.get(CONFIGMAPS, "deep", namespace=namespace)
+    assert got["data"] == {"a": "b"}
+    assert "tenant" in [m.get("manager") for m in got["metadata"]["managedFields"]], "the apiserver kept them"
+    listed = await kube.list_all(CONFIGMAPS, namespace=namespace)
+    assert [i["metadata"]["name"] for i in listed.items if i["metadata"]["name"] == "deep"] == ["deep"]
+    assert listed.rejected == []
