@@ -17,7 +17,10 @@ use it. ``ChannelRecords`` (``collaborators.ChannelAssignments``) does this node
 * ``release``: take the claim off the record again (Unprepare, and the cleanup for releases that failed);
 * ``node_claims``: the claims this node has listed, for the cleanup to compare with the checkpoint;
 * ``hold``: the cleanup's other direction: a claim the checkpoint holds prepared whose entry is gone from the
-  record (whoever wrote that) is listed again, so the record, and the channel, stay.
+  record (whoever wrote that) is listed again, so the record, and the channel, stay. Not in a record being
+  deleted: the admission policy lets a node agent only take claims off such a record (a stolen token could
+  otherwise keep a deleted domain's channel taken with fresh entries), so a lost entry there is an error in
+  the log, as a record gone is.
 
 Only this node's entries count (claim UID and node together, as the CRD keys them): another node's entry of
 the same claim UID is not a hold this node can rely on, since that node may take it off at any time.
@@ -47,7 +50,7 @@ from computedomain.api.constants import (
 from computedomain.api.models import ComputeDomain, ComputeDomainClique, PreparedClaim, clique_name, valid_clique_id
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
 from computedomain.kube.clock import Clock, MonotonicClock, run_within
-from computedomain.kube.errors import AlreadyExists, Conflict, Invalid, NotFound
+from computedomain.kube.errors import AlreadyExists, Conflict, Forbidden, Invalid, NotFound
 from computedomain.kube.informer import Informer
 from computedomain.plugin.collaborators import DomainInfo
 from computedomain.plugin.failures import ChannelNotAssignedError, ClaimRejected, RetryableError
@@ -281,6 +284,12 @@ class ChannelRecords:
                 # Listed already (a retried answer got lost, or a lagging cache), or changed meanwhile.
                 record, fresh = await self._get(name), True
                 raise _Changed from None
+            except Forbidden:
+                # The records policy refuses fresh entries in a record being deleted: deleted meanwhile?
+                record, fresh = await self._get(name), True
+                if record is not None and record.metadata.deletion_timestamp is None:
+                    raise
+                raise _Changed from None
 
         try:
             return await again_on(_MAX_TRIES, _Changed)(once)
@@ -304,19 +313,22 @@ class ChannelRecords:
 
     async def hold(self, domain_uid: str, clique_id: str, claim_uid: str) -> bool:
         """A claim this node holds prepared stays listed whatever else was written to its record: an entry of
-        ours that is gone (taken off by hand, or by anyone but this node) is listed again, also in a record
-        being deleted (which then keeps the channel). True when it had to be. The cache decides whether to
-        look; the API decides whether to write."""
+        ours that is gone (taken off by hand, or by anyone but this node) is listed again, except in a record
+        being deleted (module docstring). True when it had to be. The cache decides whether to look; the API
+        decides whether to write."""
         name = clique_name(domain_uid, clique_id)
         if _lists(self.informer.get(name, self.namespace), claim_uid, self.node_name):
             return False
 
         async def once() -> bool:
             record = await self._get(name)
-            if record is None:
+            if record is None or record.metadata.deletion_timestamp is not None:
+                if record is not None and _lists(record, claim_uid, self.node_name):
+                    return False
                 log.error(
-                    "the channel record of a claim prepared here is gone: its channel may be handed to another "
-                    "domain while the claim's containers use it record=%s claim=%s",
+                    "the channel record of a claim prepared here is %s without the claim: its channel may be "
+                    "handed to another domain while the claim's containers use it record=%s claim=%s",
+                    "gone" if record is None else "being deleted",
                     name,
                     claim_uid,
                 )
@@ -325,8 +337,8 @@ class ChannelRecords:
                 return False
             try:
                 await self._append(record, claim_uid)
-            except (NotFound, Invalid, Conflict):
-                raise _Changed from None
+            except (NotFound, Invalid, Conflict, Forbidden):
+                raise _Changed from None  # gone, changed, or deleted meanwhile (the policy): read it again
             log.warning("listed a prepared claim again in its channel record record=%s claim=%s", name, claim_uid)
             return True
 

@@ -7,7 +7,9 @@ is the attacker. What must hold (docs/security.md):
   entries: a squatted entry of the victim's claim UID never stands in for the victim's, however the writes race;
 * a record is created only under its domain's own name, by a node that lists one claim of its own;
 * a record gets a channel only while it lists a claim of a node of its clique (the node's
-  ``nvidia.com/gpu.clique`` label): one node's token cannot take channels in other cliques.
+  ``nvidia.com/gpu.clique`` label): one node's token cannot take channels in other cliques;
+* a record being deleted takes no fresh entries (they would keep the deleted domain's channel taken for as
+  long as the token keeps writing them), and the node's cleanup does not write one there either.
 """
 
 from __future__ import annotations
@@ -277,6 +279,34 @@ async def test_a_record_is_created_only_with_the_finalizer_that_keeps_its_channe
         assert "exactly the finalizer resource.nvidia.com/computeDomain" in why, (what, why)
     created = await attacker.create(COMPUTE_DOMAIN_CLIQUES, body, namespace=bed.ns)  # the agent's own shape
     assert created["metadata"]["finalizers"] == [COMPUTE_DOMAIN_FINALIZER]
+
+
+async def test_a_record_being_deleted_takes_no_fresh_entries(bed: Bed) -> None:
+    _, attacker_node = bed.nodes
+    attacker = bed.agents[attacker_node]
+    d = str(uuid.uuid4())
+    name = f"{d}.{CLIQUE}"
+    await attacker.create(COMPUTE_DOMAIN_CLIQUES, _record(bed, name, d, [("x", attacker_node)]), namespace=bed.ns)
+    add = {"op": "add", "path": "/preparedClaims/-", "value": {"claimUID": "y", "nodeName": attacker_node}}
+    await attacker.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [add], namespace=bed.ns)  # while it lives: accepted
+    bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false")
+    try:
+        fresh = {**add, "value": {"claimUID": "z", "nodeName": attacker_node}}
+        why = await _refused(attacker.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [fresh], namespace=bed.ns))
+        assert f"ComputeDomainClique {name} is being deleted" in why and "not list new ones" in why, why
+        # The node's cleanup, for a claim it holds prepared whose entry is not there, writes none either.
+        records = ChannelRecords(attacker, node_name=attacker_node, namespace=bed.ns)
+        assert not await records.hold(d, CLIQUE, "z")
+        assert await _entries(bed, name) == [("x", attacker_node), ("y", attacker_node)]
+        # Taking its own claims off stays allowed: that is how the record goes.
+        assert await records.release(d, CLIQUE, "y")
+        assert await records.release(d, CLIQUE, "x")
+        assert await _entries(bed, name) == []
+    finally:
+        unpin = '{"metadata":{"finalizers":null}}'
+        bed.cluster.kubectl(
+            "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
+        )
 
 
 async def test_a_record_gets_a_channel_only_from_a_node_of_its_clique(bed: Bed) -> None:

@@ -6,10 +6,13 @@ tests/cluster/manifests/test_channel_tokens.py."""
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
+import pytest
+
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL, GROUP_VERSION
-from computedomain.kube.errors import Invalid, NotFound
+from computedomain.kube.errors import Forbidden, Invalid, NotFound
 from computedomain.plugin.channels import ChannelRecords
 
 NS = "nvidia-dra"
@@ -21,9 +24,11 @@ CLAIM = "11111111-0000-4000-8000-000000000001"
 
 class Records:
     """One record; ``json_patch`` applies add, remove and test the way the apiserver does (a failed test is a
-    422, ``Invalid``)."""
+    422, ``Invalid``), and refuses an added entry in a record being deleted as the chart's records policy does
+    (403, ``Forbidden``). ``deleted_at_write``: the record's deletion begins just before the next write."""
 
     def __init__(self, claims: list[tuple[str, str]] | None) -> None:
+        self.deleted_at_write = False
         self.obj: dict[str, Any] | None = None
         if claims is not None:
             self.obj = {
@@ -43,6 +48,10 @@ class Records:
     async def json_patch(self, _resource: Any, name: str, ops: list[dict[str, Any]], **_: Any) -> dict[str, Any]:
         if self.obj is None:
             raise NotFound(f"{name} not found")
+        if self.deleted_at_write:
+            self.delete()
+        if any(op["op"] == "add" for op in ops) and "deletionTimestamp" in self.obj["metadata"]:
+            raise Forbidden(f"preparedClaims: ComputeDomainClique {name} is being deleted")
         claims = self.obj["preparedClaims"]
         for op in ops:
             _, _, index, *key = op["path"].split("/")
@@ -57,6 +66,10 @@ class Records:
             if op["op"] == "remove":
                 claims.pop(int(index))
         return copy.deepcopy(self.obj)
+
+    def delete(self) -> None:
+        assert self.obj is not None
+        self.obj["metadata"]["deletionTimestamp"] = "2026-12-06T12:00:00Z"
 
     def entries(self) -> list[tuple[str, str]]:
         assert self.obj is not None
@@ -95,3 +108,20 @@ async def test_release_takes_off_an_entry_the_controller_verified() -> None:
 
 async def test_a_record_gone_while_the_claim_is_prepared_is_reported_not_recreated() -> None:
     assert not await agent(Records(None)).hold(DOMAIN, CLIQUE, CLAIM)
+
+
+@pytest.mark.parametrize("when", ["before the cleanup", "between the read and the write"])
+async def test_a_record_being_deleted_gets_no_fresh_entry_and_the_loss_is_an_error(
+    when: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fresh entries in a record being deleted would keep its channel taken (a stolen token could keep
+    writing them): the cleanup does not list the claim again there, it says the channel may go."""
+    store = Records([(CLAIM, "attacker")])
+    if when == "before the cleanup":
+        store.delete()
+    else:
+        store.deleted_at_write = True
+    with caplog.at_level(logging.ERROR, logger="computedomain.plugin.channels"):
+        assert not await agent(store).hold(DOMAIN, CLIQUE, CLAIM)
+    assert store.entries() == [(CLAIM, "attacker")]
+    assert "is being deleted without the claim" in caplog.text, caplog.text
