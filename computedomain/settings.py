@@ -558,6 +558,13 @@ class ControllerSettings(CommonSettings):
         "IMEX channels of every node (NVreg_ImexChannelCount): IMEX_ISOLATION=channel assigns 1 to this - 1",
         default=DEFAULT_IMEX_CHANNEL_COUNT,
     )
+    imex_channel_idle_release: float = setting(
+        "IMEX_CHANNEL_IDLE_RELEASE",
+        "IMEX_ISOLATION=channel: seconds (or a Go duration) after which a channel no claim of its domain holds in "
+        "a clique is taken back; 0: kept while the domain exists",
+        default=300.0,
+        convert=_duration,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -580,7 +587,7 @@ class ControllerSettings(CommonSettings):
                 f"IMEX_CHANNEL_COUNT {self.imex_channel_count!r} must be between 2 and {MAX_IMEX_CHANNEL_COUNT} "
                 f"(channel 0 is reserved; the driver's default NVreg_ImexChannelCount is {DEFAULT_IMEX_CHANNEL_COUNT})"
             )
-        _non_negative(self, "sweep_period", "retry_backoff_initial", "retry_backoff_max")
+        _non_negative(self, "sweep_period", "retry_backoff_initial", "retry_backoff_max", "imex_channel_idle_release")
         if self.workers < 1:
             raise SettingsError(f"WORKERS {self.workers!r} must be at least 1")
         if self.leader_election_enabled and not (

@@ -13,6 +13,10 @@ is left, as the domain reconcile does. The writes, and what makes each safe:
 * dropping our finalizer from a record being deleted: a merge patch with the resourceVersion at which the
   record listed no claim, so a node agent adding one in between makes it a ``Conflict`` (retried);
 * marking entries ``verified``: a JSON patch that first tests each entry's claim UID and node at its index;
+* retiring a live domain's record whose channel went unused (``IMEX_CHANNEL_IDLE_RELEASE`` since this process
+  first saw it without a verified entry, or at once when its entries are all of nodes no longer labelled
+  with its clique, and none of its unverified entries allocated there by a live list of the claims): a DELETE with its UID and resourceVersion as preconditions, so an entry a node agent added
+  in between makes it a ``Conflict`` (planned again on the fresh state);
 * dropping claims of vanished nodes: only after a live GET of each such Node answered NotFound, and
   unverified claims of a record being deleted: only when a live list of every ResourceClaim, taken after this
   process first saw the entry, does not show it allocated there for the domain (at most one such list every
@@ -45,6 +49,7 @@ from computedomain.controller.channels import (
     RecordChannel,
     ReleaseRecord,
     Result,
+    RetireRecord,
     Taken,
     Unchanged,
     VerifyClaims,
@@ -53,7 +58,7 @@ from computedomain.controller.executor import Writer, gather_all
 from computedomain.controller.observed import ClaimView, decode_claim
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, LEASES, NODES, RESOURCE_CLAIMS
 from computedomain.kube.converge import DONE, ReconcileResult, RequeueAfter
-from computedomain.kube.errors import AlreadyExists, Invalid, NotFound
+from computedomain.kube.errors import AlreadyExists, Conflict, Invalid, NotFound
 from computedomain.kube.events import EventType
 from computedomain.metrics import Counter
 from computedomain.settings import ControllerSettings
@@ -79,6 +84,10 @@ class ChannelAssigner:
         self.client = writer.client
         self.caches: Caches = writer.caches
         self.count = settings.imex_channel_count
+        self.idle_release = settings.imex_channel_idle_release
+        # Per clique, since when this process has seen each live domain's record (by UID) with a channel and no
+        # verified entry.
+        self._unused_since: dict[str, dict[str, float]] = {}
         self._nodes: dict[str, tuple[str | None, float]] = {}
         # Per clique, when this process first saw each unverified entry (record name, claim UID, node); and
         # the last live list of every claim (by UID) with when it was taken.
@@ -100,6 +109,8 @@ class ChannelAssigner:
                 clique_id,
             )
         self._note_unverified(space)
+        idle, retire_in = await self._idle(space)
+        space = replace(space, idle=idle)
         for _ in range(MAX_ROUNDS):
             if self._no_mark:
                 space = replace(space, verifiable=frozenset())
@@ -107,10 +118,12 @@ class ChannelAssigner:
             if not plan:
                 if plan.waiting:
                     log.debug("no free IMEX channel clique=%s waiting=%s", clique_id, ",".join(map(str, plan.waiting)))
+                later = [retire_in] if retire_in is not None else []
                 if space.unbound:
-                    return RequeueAfter(UNBOUND_RECHECK_S)
-                # A record being deleted whose unverified entries wait for a newer list of claims.
-                return RequeueAfter(CLAIM_LIST_S) if self._awaiting_list(space) else DONE
+                    later.append(UNBOUND_RECHECK_S)
+                if self._awaiting_list(space):  # a record being deleted whose unverified entries wait for one
+                    later.append(CLAIM_LIST_S)
+                return RequeueAfter(min(later)) if later else DONE
             results = await gather_all(self._apply(action) for action in plan.actions)
             for action, result in zip(plan.actions, results, strict=True):
                 space = channels.fold(space, action, result)
@@ -134,6 +147,8 @@ class ChannelAssigner:
             return await self._prune(action.record)
         if isinstance(action, VerifyClaims):
             return await self._verify(action.record, action.entries)
+        if isinstance(action, RetireRecord):
+            return await self._retire(action.record)
         raise TypeError(f"unknown action {action!r}")  # pragma: no cover
 
     async def _lock(self, record: Record, channel: int) -> Lock | Taken:
@@ -190,6 +205,38 @@ class ChannelAssigner:
         released = channels.record_of(ComputeDomainClique.model_validate(raw))
         return Gone() if released.terminating and not released.finalizers else released
 
+    async def _retire(self, record: Record) -> Record | Gone | Unchanged:
+        try:
+            raw = await self.client.delete(
+                COMPUTE_DOMAIN_CLIQUES,
+                record.name,
+                namespace=record.namespace,
+                uid=record.uid,
+                resource_version=record.resource_version,
+            )
+        except NotFound:
+            return Gone()
+        except Conflict:
+            return Unchanged()  # an entry came (or went) meanwhile: planned again on what the watch shows
+        log.info(
+            "taking back an unused IMEX channel channel=%s clique=%s record=%s",
+            record.channel,
+            record.clique_id,
+            record,
+        )
+        cd = self.caches.cd(record.domain_uid)
+        if cd is not None:
+            self.writer.event(
+                cd,
+                EventType.NORMAL,
+                "ChannelReleased",
+                f"IMEX channel {record.channel} in clique {record.clique_id} taken back: no pod of this "
+                f"ComputeDomain held it for {self.idle_release:g}s; its next pod there gets a channel anew",
+            )
+        if raw.get("kind") != "ComputeDomainClique":
+            return Gone()
+        return channels.record_of(ComputeDomainClique.model_validate(raw))
+
     async def _verify(self, record: Record, entries: tuple[tuple[str, str], ...]) -> Record | Gone:
         ops: list[dict[str, Any]] = []
         for index, entry in enumerate(record.claims):
@@ -223,6 +270,36 @@ class ChannelAssigner:
         log.debug("verified prepared claims of %s claims=%s", record, ",".join(f"{u}@{n}" for u, n in entries))
         return written
 
+    async def _idle(self, space: CliqueSpace) -> tuple[frozenset[str], float | None]:
+        """The live domains' records whose channel went unused for ``idle_release`` (module docstring), and in
+        how many seconds the next one may have (None: none is timed)."""
+        if not self.idle_release:
+            return frozenset(), None
+        now = time.monotonic()
+        before = self._unused_since.pop(space.clique_id, {})
+        since: dict[str, float] = {}
+        idle: set[str] = set()
+        later: list[float] = []
+        for record in space.records:
+            if record.channel is None or record.terminating or record.verified:
+                continue
+            if record.domain_uid not in space.live_domains:
+                continue
+            start = since[record.uid] = before.get(record.uid, now)
+            left = start + self.idle_release - now
+            # Entries only of nodes no longer in the clique (a stolen token moving its Node's label from
+            # clique to clique to ask in each) do not wait for the idle time.
+            moved = bool(record.claims) and not await self._lists_a_member(record, space.clique_id)
+            if left > 0 and not moved:
+                later.append(left)
+            elif len(await self._unfounded(record)) < len(record.unverified):
+                later.append(CLAIM_LIST_S)  # an entry's claim may be allocated there (verified soon), or no list yet
+            else:
+                idle.add(record.name)
+        if since:
+            self._unused_since[space.clique_id] = since
+        return frozenset(idle), min(later, default=None)
+
     def _note_unverified(self, space: CliqueSpace) -> None:
         now = time.monotonic()
         before = self._first_seen.pop(space.clique_id, {})
@@ -255,7 +332,10 @@ class ChannelAssigner:
         # Stamped when asked: an entry seen before then was written after its claim's allocation, which a
         # consistent list begun later shows.
         listed = await self.client.list_all(RESOURCE_CLAIMS, namespace=self.caches.cd_namespace)
-        claims = {c.uid: c for c in map(decode_claim, listed.items)}
+        # A claim that broke a decoding bound is read as far as it could be, never taken for absent: an entry
+        # of a claim nobody could read must not be dropped as one that was never there (fail closed).
+        raws = [*listed.items, *(r.raw for r in listed.rejected)]
+        claims = {c.uid: c for c in map(decode_claim, raws)}
         self._claims = (claims, now)
         return claims
 

@@ -26,6 +26,12 @@ back in (``fold``) and asks again until nothing is left. Per clique, in order of
   With none free, the record waits (``Plan.waiting``); the domain's reconcile reports it (``exhausted``);
 * an entry of ``preparedClaims`` whose claim the claim cache shows allocated on that node for the record's
   domain is marked ``verified`` (``VerifyClaims``), in any record; a node agent may not set the mark;
+* a live domain's record whose channel no claim of the domain has used for a while (``CliqueSpace.idle``:
+  the executor times it, and a live list of the claims shows none of its unverified entries allocated there)
+  is deleted (``RetireRecord``, with its resourceVersion as precondition, so an entry added meanwhile makes
+  it a ``Conflict``): otherwise a tenant's idle domains, or records a stolen node agent token made in every
+  clique by moving its Node's label, would keep their channels for good. The domain's next claim in that
+  clique asks for a channel anew;
 * a record that is being deleted keeps our finalizer while ``preparedClaims`` lists a claim; when none is left
   the finalizer goes, the record with it, and then its lock: only then is the channel free again. First
   dropped (``CheckHolders``, each confirmed live by the executor): entries of nodes that no longer exist, and
@@ -195,6 +201,8 @@ class CliqueSpace:
     unbound: frozenset[str] = frozenset()
     # (record name, claim UID, node) of unverified entries whose claim is allocated there for its domain.
     verifiable: frozenset[tuple[str, str, str]] = frozenset()
+    # Records of live domains whose channel no claim has held for the idle time (the executor decides): retired.
+    idle: frozenset[str] = frozenset()
 
     def with_record(self, record: Record) -> CliqueSpace:
         rest = tuple(r for r in self.records if r.name != record.name)
@@ -282,6 +290,14 @@ class ReleaseRecord:
 
 
 @dataclass(frozen=True)
+class RetireRecord:
+    """Delete a live domain's record whose channel went unused for the idle time (its uid and resourceVersion as
+    preconditions); it then goes as any record being deleted does."""
+
+    record: Record
+
+
+@dataclass(frozen=True)
 class CheckHolders:
     """A record being deleted still lists claims: drop those of nodes that no longer exist and the unverified
     ones whose claim is not allocated there (both checked live)."""
@@ -297,7 +313,7 @@ class VerifyClaims:
     entries: tuple[tuple[str, str], ...]
 
 
-Action: TypeAlias = CreateLock | RecordChannel | DeleteLock | ReleaseRecord | CheckHolders | VerifyClaims
+Action: TypeAlias = CreateLock | RecordChannel | DeleteLock | ReleaseRecord | CheckHolders | VerifyClaims | RetireRecord
 
 
 @dataclass(frozen=True)
@@ -328,6 +344,9 @@ def plan(space: CliqueSpace, count: int) -> Plan:
             actions += [
                 DeleteLock(lk, f"{record} holds channel {record.channel}") for lk in own if lk.channel != record.channel
             ]
+            if record.name in space.idle and not record.terminating and not record.verified:
+                actions.append(RetireRecord(record))
+                continue
             if not record.terminating and not any(lk.channel == record.channel for lk in space.locks):
                 # Its lock was deleted (by hand): take it again, so no other record can get the channel.
                 actions.append(CreateLock(record, record.channel))
@@ -383,6 +402,8 @@ Result: TypeAlias = Record | Lock | Gone | Taken | Unchanged
 
 def fold(space: CliqueSpace, action: Action, result: Result) -> CliqueSpace:
     """The clique's state after ``action`` produced ``result``."""
+    if isinstance(action, RetireRecord):  # asked once a pass, whatever the answer (a Conflict: it changed)
+        space = replace(space, idle=space.idle - {action.record.name})
     if isinstance(result, Unchanged):
         if isinstance(action, CheckHolders):
             # Nothing to prune: the record waits for its claims; not asked again in this pass.
@@ -394,7 +415,7 @@ def fold(space: CliqueSpace, action: Action, result: Result) -> CliqueSpace:
         return space
     if isinstance(action, DeleteLock):
         return space.without_lock(action.lock.name) if isinstance(result, Gone) else space.with_lock(_lock(result))
-    if isinstance(action, RecordChannel | ReleaseRecord | CheckHolders | VerifyClaims):
+    if isinstance(action, RecordChannel | ReleaseRecord | CheckHolders | VerifyClaims | RetireRecord):
         if isinstance(result, Gone):
             return space.without_record(action.record.name)
         checked = isinstance(action, CheckHolders)

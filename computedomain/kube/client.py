@@ -817,17 +817,19 @@ class KubeClient:
         *,
         namespace: str | None = None,
         uid: str | None = None,
+        resource_version: str | None = None,
         propagation_policy: str | None = None,
         grace_period_seconds: int | None = None,
     ) -> Raw:
-        """DELETE; ``uid`` is a precondition (``Conflict`` when it does not match).
+        """DELETE; ``uid`` and ``resource_version`` are preconditions (``Conflict`` when one does not match).
 
         Returns the apiserver's answer: the object (still there with a deletionTimestamp while finalizers
         hold it) or a Status. ``NotFound`` when already gone: callers that only want it gone ignore that.
         """
         options: Raw = {"apiVersion": "v1", "kind": "DeleteOptions"}
-        if uid:
-            options["preconditions"] = {"uid": uid}
+        preconditions = {k: v for k, v in (("uid", uid), ("resourceVersion", resource_version)) if v}
+        if preconditions:
+            options["preconditions"] = preconditions
         if propagation_policy:
             options["propagationPolicy"] = propagation_policy
         if grace_period_seconds is not None:

@@ -9,7 +9,8 @@ the whole module and checks, twice a second, the promise the protocol makes: a c
 the clique holds it at the same time.
 
 The tests build on each other (one cluster for the module): 20 domains at once, then a controller SIGKILL
-and a node agent restart, then exhaustion and delete/re-create churn.
+and a node agent restart, then exhaustion and delete/re-create churn, then a live domain whose pod went
+giving its channel back after the (shortened) idle time.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ pytestmark = [
 CHANNEL_COUNT = 24
 DOMAINS = 20
 LOCK_PREFIX = "cd-imex-channel-"
+# Short, so that a live domain without pods gives its channel back within the test; every other domain of the
+# module keeps a pod running while its channel is checked, and its verified entries keep the channel.
+IDLE_RELEASE_S = 20
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -62,6 +66,7 @@ async def rack(cluster: Cluster) -> AsyncIterator[SimCluster]:
             "resources.computeDomains.imex.isolation=channel",
             f"resources.computeDomains.imex.channelCount={CHANNEL_COUNT}",
             "resources.computeDomains.imex.channelClaimsPerNode=16",
+            f"resources.computeDomains.imex.channelIdleRelease={IDLE_RELEASE_S}s",
         ],
     )
     async for sim in start_sim(cluster, config):
@@ -488,6 +493,43 @@ async def test_entries_a_stolen_token_lists_never_keep_a_deleted_domains_channel
         return sim.get("computedomaincliques", name, sim.driver_ns) is None
 
     await eventually(gone, within=60, what="d03's record gone, the forged entry dropped, its channel free")
+    await monitor.assert_clean()
+
+
+async def test_a_live_domain_without_pods_gives_its_channel_back_and_gets_one_anew(
+    rack: SimCluster, monitor: Monitor
+) -> None:
+    """Idle domains must not keep channels for good (a tenant's many idle ComputeDomains, or records a stolen
+    node agent token asks for in every clique): once no claim of the domain holds its channel in a clique for
+    the idle time, the controller takes it back and says so; the domain's next pod there gets one anew."""
+    sim = rack
+    node0 = sim.topology.nodes[0].name
+    sim.apply([sim.compute_domain("idle"), sim.workload_pod("idle-w0", "idle", node0)])
+    await eventually(lambda: prepared_pods(sim, ["idle-w0"]), within=120, what="the idle domain's first pod")
+    uid = uid_of(sim, "idle")
+    first = await channel_for(sim, uid)
+    assert first is not None
+    started = time.monotonic()
+    await sim.akubectl("delete", "pod", "idle-w0", "-n", sim.workload_ns, "--wait=true")
+
+    async def taken_back() -> bool:
+        return not [r for r in await records(sim) if r["metadata"]["name"].startswith(f"{uid}.")]
+
+    await eventually(taken_back, within=IDLE_RELEASE_S + 60, what="the idle domain's record retired")
+    waited = time.monotonic() - started
+    print(f"channel {first} taken back {waited:.1f}s after the last pod went (idle time {IDLE_RELEASE_S}s)")
+    assert waited >= IDLE_RELEASE_S, "taken back before the idle time"
+    events = json.loads(
+        await sim.akubectl(
+            "get", "events", "-n", sim.workload_ns, "--field-selector", "reason=ChannelReleased", "-o", "json"
+        )
+    )["items"]
+    assert any(e["involvedObject"]["name"] == "idle" and f"IMEX channel {first}" in e["message"] for e in events)
+    assert uid_of(sim, "idle") == uid, "the domain itself stays"
+    sim.apply(sim.workload_pod("idle-w1", "idle", node0))
+    pods = await eventually(lambda: prepared_pods(sim, ["idle-w1"]), within=120, what="the idle domain's next pod")
+    again = await channel_for(sim, uid)
+    assert again is not None and seen(sim, pods[0]) == {again}
     await monitor.assert_clean()
 
 

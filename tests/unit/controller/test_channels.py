@@ -25,6 +25,7 @@ from computedomain.controller.channels import (
     RecordChannel,
     ReleaseRecord,
     Result,
+    RetireRecord,
     Taken,
     Unchanged,
     VerifyClaims,
@@ -227,6 +228,22 @@ def test_entries_the_claim_cache_shows_allocated_there_are_verified_before_anyth
     # Nothing verifiable: nothing to verify; a record being deleted then checks its holders live.
     leaving = rec(3, channel=3, claims=entries, terminating=True)
     assert plan(space(leaving), 2048).actions == (CheckHolders(leaving),)
+
+
+def test_an_idle_record_of_a_live_domain_is_retired_once_a_pass_then_released() -> None:
+    """The executor names the records whose channel went unused (``idle``): each is deleted, once a pass
+    whatever the answer, and, with no claim left, released as any record being deleted is."""
+    idle = rec(1, channel=2)
+    busy = rec(2, channel=3, claims=(("c", "n1"),), verified=(("c", "n1"),))
+    state = replace(space(idle, busy, locks=(lock(idle, 2), lock(busy, 3))), idle=frozenset({idle.name, busy.name}))
+    (retire,) = plan(state, 2048).actions  # a verified entry is a claim holding the channel: never retired
+    assert retire == RetireRecord(idle)
+    assert not plan(channels.fold(state, retire, Unchanged()), 2048)  # a Conflict: not asked again this pass
+    deleting = replace(idle, terminating=True)
+    state = channels.fold(state, retire, deleting)
+    assert plan(state, 2048).actions == (ReleaseRecord(deleting),)
+    # Not named idle (the executor's timer runs, or a claim may be allocated there): it keeps its channel.
+    assert not plan(space(idle, locks=(lock(idle, 2),)), 2048)
 
 
 def test_record_of_reads_the_verified_mark() -> None:
