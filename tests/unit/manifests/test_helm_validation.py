@@ -57,6 +57,12 @@ CASES = [
         "imex.isolation",
     ),
     (
+        ["resources.computeDomains.imex.channelIdleRelease=5 q"],
+        {"IMEX_CHANNEL_IDLE_RELEASE": "5 q"},
+        ControllerSettings,
+        "imex.channelIdleRelease",
+    ),
+    (
         ["resources.computeDomains.imex.channelCount=1"],
         {"IMEX_CHANNEL_COUNT": "1"},
         ControllerSettings,

@@ -33,7 +33,8 @@ def test_the_hook_runs_validate_with_the_values() -> None:
     assert "--host-managed" not in args and not any(a.startswith("--nodes=") for a in args)
     role = next(o for o in r.all("Role") if o["metadata"]["name"] == pod["spec"]["serviceAccountName"])
     assert role["metadata"]["namespace"] == "cd-check"
-    assert {"computedomains", "jobs", "pods", "events"} == {res for rule in role["rules"] for res in rule["resources"]}
+    resources = {res for rule in role["rules"] for res in rule["resources"]}
+    assert resources == {"computedomains", "jobs", "pods", "events", "resourceclaimtemplates"}
     for obj in r.objects:
         if obj["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "validate":
             assert obj["metadata"]["annotations"]["helm.sh/hook"] == "test", obj["kind"]

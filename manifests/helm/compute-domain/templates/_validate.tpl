@@ -114,6 +114,11 @@ and compares the text with SettingsError's.
 {{- if or (lt (int $count) 2) (gt (int $count) 1048576) -}}
 {{- fail (printf "IMEX_CHANNEL_COUNT %s must be between 2 and 1048576 (channel 0 is reserved; the driver's default NVreg_ImexChannelCount is 2048) (values: resources.computeDomains.imex.channelCount)" (toString $count)) -}}
 {{- end -}}
+{{- if hasKey $imex "channelIdleRelease" -}}
+{{- if eq (include "cd.seconds" $imex.channelIdleRelease) "" -}}
+{{- fail (printf "IMEX_CHANNEL_IDLE_RELEASE %s is not a duration; use seconds (15) or a Go duration (15s) (values: resources.computeDomains.imex.channelIdleRelease)" (include "cd.repr" (include "cd.duration" $imex.channelIdleRelease))) -}}
+{{- end -}}
+{{- end -}}
 {{- /* IMEX config overrides (computedomain/settings.py parse_imex_config_overrides), in key order. */ -}}
 {{- $owned := dict "IMEX_CMD_BIND_INTERFACE_IP" "the pod IP, where the probes reach the command service" "IMEX_NODE_CONFIG_FILE" "the domain's nodes.cfg, which the daemon writes" "IMEX_CMD_ENABLED" "the probes need the command service" "IMEX_CMD_PORT" "the probes and the daemons' NetworkPolicy use 50005" "SERVER_PORT" "the peers and the daemons' NetworkPolicy use 50000" "DAEMONIZE" "the daemon supervises nvidia-imex in the foreground" -}}
 {{- $config := $imex.config | default dict -}}
