@@ -183,16 +183,19 @@ class ChannelAssigner:
                 record.domain_uid,
                 record.name,
             )
-            cd = self.caches.cd(record.domain_uid)
-            if cd is not None:
-                self.writer.event(
-                    cd,
-                    EventType.NORMAL,
-                    "ChannelAssigned",
-                    f"IMEX channel {channel} in clique {record.clique_id}: every pod of this ComputeDomain there "
-                    "gets it, no other ComputeDomain does",
-                )
+            self._tell(
+                record,
+                "ChannelAssigned",
+                f"IMEX channel {channel} in clique {record.clique_id}: every pod of this ComputeDomain there gets "
+                "it, no other ComputeDomain does",
+            )
         return written
+
+    def _tell(self, record: Record, reason: str, message: str) -> None:
+        """A Normal Event on the record's domain, when it is known."""
+        cd = self.caches.cd(record.domain_uid)
+        if cd is not None:
+            self.writer.event(cd, EventType.NORMAL, reason, message)
 
     async def _release(self, record: Record) -> Record | Gone:
         rest = [f for f in record.finalizers if f != COMPUTE_DOMAIN_FINALIZER]
@@ -224,15 +227,12 @@ class ChannelAssigner:
             record.clique_id,
             record,
         )
-        cd = self.caches.cd(record.domain_uid)
-        if cd is not None:
-            self.writer.event(
-                cd,
-                EventType.NORMAL,
-                "ChannelReleased",
-                f"IMEX channel {record.channel} in clique {record.clique_id} taken back: no pod of this "
-                f"ComputeDomain held it for {self.idle_release:g}s; its next pod there gets a channel anew",
-            )
+        self._tell(
+            record,
+            "ChannelReleased",
+            f"IMEX channel {record.channel} in clique {record.clique_id} taken back: no pod of this ComputeDomain "
+            f"holds it there (IMEX_CHANNEL_IDLE_RELEASE {self.idle_release:g}s); its next pod there gets one anew",
+        )
         if raw.get("kind") != "ComputeDomainClique":
             return Gone()
         return channels.record_of(ComputeDomainClique.model_validate(raw))
