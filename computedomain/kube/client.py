@@ -67,6 +67,7 @@ from computedomain.kube.errors import (
     TooLarge,
     TooManyRequests,
     Transient,
+    Unreadable,
     error_from_response,
     error_from_status,
 )
@@ -452,14 +453,14 @@ class KubeClient:
         try:
             decoded = decode(data) if data else None
         except DecodeError as exc:
-            raise Permanent(f"{verb} {path}: {exc}").for_request(verb, qualified, namespace) from None
+            raise Unreadable(f"{verb} {path}: {exc}").for_request(verb, qualified, namespace) from None
         if decoded is None:
             return {}
         if not isinstance(decoded.value, dict):
-            raise Permanent(f"{verb} {path}: expected a JSON object, got {type(decoded.value).__name__}")
+            raise Unreadable(f"{verb} {path}: expected a JSON object, got {type(decoded.value).__name__}")
         reason = rejection(decoded, ())
         if reason:
-            raise Permanent(f"{verb} {path}: {reason}").for_request(verb, qualified, namespace)
+            raise Unreadable(f"{verb} {path}: {reason}").for_request(verb, qualified, namespace)
         return decoded.value
 
     async def _request(
@@ -652,7 +653,7 @@ class KubeClient:
             decoded = decode(data)
             items, rejected = decode_items(decoded, ("items",))
         except DecodeError as exc:
-            raise Permanent(f"list {path}: {exc}").for_request("list", resource.qualified, namespace) from None
+            raise Unreadable(f"list {path}: {exc}").for_request("list", resource.qualified, namespace) from None
         raw = decoded.value if isinstance(decoded.value, dict) else {}
         meta = raw.get("metadata") or {}
         return ObjectList(

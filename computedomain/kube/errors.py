@@ -19,14 +19,16 @@ class               typical cause                           who reacts, how
 ``Permanent``       400, 401, 403, 405, 415, 422, ...       nobody retries at call level
 ``Invalid``         422 (a ``Permanent``), ``causes``       caller: report the field, stop
 ``Forbidden``       403 (a ``Permanent``)                   caller: report RBAC problem (or quota)
+``Unreadable``      an answer the client refuses to decode  nobody retries (no status: see below)
 ``TooLarge``        an answer over the reader's bound       list: ask for fewer items; else permanent
 ==================  ======================================  =========================================
 
 Whether an error is worth retrying is decided by its HTTP status code alone (``KubeError.permanent``), never
 by class names: 4xx codes other than 404, 408, 409, 410 and 429 and the 501 cannot heal by repeating the
 request; everything else (including "no response", code 0) can. One exception, as it has no code: an answer
-the client itself refuses to read because it is over its bound (``TooLarge``) is permanent, since the same
-request gets the same answer. The client records which request failed
+the client itself refuses to read (``Unreadable``: not JSON, nested deeper than the decoder's bound, not an
+object; ``TooLarge``, one of them: over its size bound) is permanent, since the same request gets the same
+answer. The client records which request failed
 (``verb``, ``resource``, ``namespace``), so ``explain`` can say in one line which permission is missing, which
 field is invalid or which quota is exhausted, and what to do about it.
 
@@ -54,6 +56,7 @@ __all__ = [
     "TooLarge",
     "TooManyRequests",
     "Transient",
+    "Unreadable",
     "error_from_response",
     "error_from_status",
     "explain",
@@ -158,12 +161,17 @@ class Permanent(KubeError):  # noqa: N818 (the taxonomy's names are the API)
     """Retrying the same request cannot help (bad request, forbidden, invalid object, ...)."""
 
 
-class TooLarge(Permanent):
-    """An answer longer than the reader's bound (no HTTP status of its own: the apiserver answered 200)."""
+class Unreadable(Permanent):
+    """An answer the client refuses to decode (``decoding``): no HTTP status of its own, the apiserver
+    answered 200; permanent, as the same request gets the same answer."""
 
     @property
     def permanent(self) -> bool:
         return True
+
+
+class TooLarge(Unreadable):
+    """An answer longer than the reader's bound."""
 
 
 class Invalid(Permanent):

@@ -15,7 +15,7 @@ from pydantic_core import from_json
 from computedomain.kube.client import RESOURCE_CLAIM_TEMPLATES, ClientConfig, KubeClient
 from computedomain.kube.config import Credentials
 from computedomain.kube.decoding import MAX_DEPTH, MAX_OBJECT_BYTES, DecodeError, decode, decode_items
-from computedomain.kube.errors import Permanent
+from computedomain.kube.errors import Permanent, Unreadable
 from computedomain.kube.informer import Informer, Rejection
 from tests.unit.kube.apistub import ApiStub, Recorded, Reply
 
@@ -174,6 +174,8 @@ async def test_a_get_of_a_hostile_object_is_a_permanent_error_naming_the_field(
     with pytest.raises(Permanent) as caught:
         await client.get(RESOURCE_CLAIM_TEMPLATES, "evil", namespace="tenant")
     assert FIELD in str(caught.value) and f"the limit is {MAX_DEPTH} levels" in str(caught.value)
+    # Permanent by the retry rule too (it has no status code): Prepare refuses the claim, never retries it.
+    assert caught.value.permanent and isinstance(caught.value, Unreadable)
 
 
 async def test_the_informer_skips_hostile_objects_reports_each_once_and_goes_on(
