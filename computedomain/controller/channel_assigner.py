@@ -13,10 +13,14 @@ is left, as the domain reconcile does. The writes, and what makes each safe:
 * dropping our finalizer from a record being deleted: a merge patch with the resourceVersion at which the
   record listed no claim, so a node agent adding one in between makes it a ``Conflict`` (retried);
 * marking entries ``verified``: a JSON patch that first tests each entry's claim UID and node at its index;
+  an entry is verifiable when the claim cache shows its claim allocated there for the record's domain, or,
+  for one it does not, a live list of the claims taken after the entry was first seen does (a claim no
+  watch could read must not stay unverified: unverified entries are dropped once their claim is gone);
 * retiring a live domain's record whose channel went unused (``IMEX_CHANNEL_IDLE_RELEASE`` since this process
   first saw it without a verified entry, or at once when its entries are all of nodes no longer labelled
-  with its clique, and none of its unverified entries allocated there by a live list of the claims): a DELETE with its UID and resourceVersion as preconditions, so an entry a node agent added
-  in between makes it a ``Conflict`` (planned again on the fresh state);
+  with its clique, and none of its unverified entries allocated there by a live list of the claims): a
+  DELETE with its UID and resourceVersion as preconditions, so an entry a node agent added in between
+  makes it a ``Conflict`` (planned again on the fresh state);
 * dropping claims of vanished nodes: only after a live GET of each such Node answered NotFound, and
   unverified claims of a record being deleted: only when a live list of every ResourceClaim, taken after this
   process first saw the entry, does not show it allocated there for the domain (at most one such list every
@@ -109,6 +113,7 @@ class ChannelAssigner:
                 clique_id,
             )
         self._note_unverified(space)
+        space, unlisted = await self._verifiable_live(space)
         idle, retire_in = await self._idle(space)
         space = replace(space, idle=idle)
         for _ in range(MAX_ROUNDS):
@@ -121,7 +126,7 @@ class ChannelAssigner:
                 later = [retire_in] if retire_in is not None else []
                 if space.unbound:
                     later.append(UNBOUND_RECHECK_S)
-                if self._awaiting_list(space):  # a record being deleted whose unverified entries wait for one
+                if unlisted or self._awaiting_list(space):  # unverified entries wait for a live list
                     later.append(CLAIM_LIST_S)
                 return RequeueAfter(min(later)) if later else DONE
             results = await gather_all(self._apply(action) for action in plan.actions)
@@ -300,6 +305,23 @@ class ChannelAssigner:
             self._unused_since[space.clique_id] = since
         return frozenset(idle), min(later, default=None)
 
+    async def _verifiable_live(self, space: CliqueSpace) -> tuple[CliqueSpace, bool]:
+        """``space`` with the unverified entries the claim cache does not vouch for looked up in a live list
+        of the claims taken after they were first seen, those found allocated there verifiable too; and whether
+        some entry still waits for such a list. The cache alone is not enough: a claim it never showed (a watch
+        that could not read it, one not seen yet) would leave its entry unverified, and an unverified entry
+        is dropped once its claim is gone, while its container may still run."""
+        pending = [(r, e) for r in space.records for e in r.unverified if (r.name, *e) not in space.verifiable]
+        if not pending or self._no_mark:
+            return space, False
+        now = time.monotonic()
+        since = max(now if (seen := self._seen(r, e)) is None else seen for r, e in pending)
+        claims = await self._claims_since(since)
+        if claims is None:
+            return space, True
+        found = {(r.name, u, n) for r, (u, n) in pending if u in claims and claims[u].allocated(r.domain_uid, n)}
+        return (replace(space, verifiable=space.verifiable | found) if found else space), False
+
     def _note_unverified(self, space: CliqueSpace) -> None:
         now = time.monotonic()
         before = self._first_seen.pop(space.clique_id, {})
@@ -333,9 +355,8 @@ class ChannelAssigner:
         # consistent list begun later shows.
         listed = await self.client.list_all(RESOURCE_CLAIMS, namespace=self.caches.cd_namespace)
         # A claim that broke a decoding bound is read as far as it could be, never taken for absent: an entry
-        # of a claim nobody could read must not be dropped as one that was never there (fail closed).
-        raws = [*listed.items, *(r.raw for r in listed.rejected)]
-        claims = {c.uid: c for c in map(decode_claim, raws)}
+        # of a claim nobody could read must not be dropped as one that was never there.
+        claims = {c.uid: c for c in map(decode_claim, listed.every)}
         self._claims = (claims, now)
         return claims
 

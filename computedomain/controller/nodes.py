@@ -113,4 +113,4 @@ class NodeLabeller:
 
     async def _allocated_live(self, cd: ComputeDomain, node: str) -> bool:
         listed = await self.writer.client.list_all(RESOURCE_CLAIMS, namespace=cd.metadata.namespace)
-        return any(c.cd_uid == cd.uid and node in c.nodes for c in map(decode_claim, listed.items))
+        return any(c.cd_uid == cd.uid and node in c.nodes for c in map(decode_claim, listed.every))

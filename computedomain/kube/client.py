@@ -52,6 +52,7 @@ from yarl import URL
 from computedomain.kube import config as kube_config
 from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.decoding import (
+    MAX_EVENT_BYTES,
     MAX_OBJECT_BYTES,
     DecodeError,
     Rejected,
@@ -217,6 +218,12 @@ class ObjectList:
     resource_version: str
     continue_token: str | None = None
     rejected: list[Rejected] = field(default_factory=list)
+
+    @property
+    def every(self) -> list[Raw]:
+        """The items and, after them, the rejected ones as far as they could be read: for a rule that must
+        not take an object nobody could read for one that is not there (fail closed)."""
+        return [*self.items, *(r.raw for r in self.rejected)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -899,8 +906,8 @@ class KubeClient:
                 data = await _read_body(resp, MAX_OBJECT_BYTES)
                 error = error_from_response(resp.status, data, retry_after_header=resp.headers.get("Retry-After"))
                 raise error.for_request("watch", resource.qualified, namespace)
-            async for line, size in _lines(resp.content.iter_any(), MAX_OBJECT_BYTES):
-                if size > MAX_OBJECT_BYTES:
+            async for line, size in _lines(resp.content.iter_any(), MAX_EVENT_BYTES):
+                if size > MAX_EVENT_BYTES:
                     yield _oversized_event(line, size)
                 elif line.strip():
                     yield _watch_event(line)

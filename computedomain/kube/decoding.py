@@ -7,10 +7,14 @@ saying which object broke a bound, where, and which bound:
   parameters (ResourceClaims, ResourceClaimTemplates) as they come, up to 10 KiB each, so a tenant can nest
   them about 5,000 levels deep; the standard ``json`` module then raises ``RecursionError``, which used to
   end an informer's list and watch for good (every ComputeDomain stalled on one template).
-* **Size**: a watch event line or a single-object response over ``MAX_OBJECT_BYTES`` is not buffered. No
-  object the apiserver stores comes close (etcd refuses values over 1.5 MiB by default, the apiserver request
-  bodies over 3 MiB); the bound keeps a broken stream from growing a buffer without end. A list page has no
-  bound of its own: its size is what the apiserver makes of ``limit`` items.
+* **Size**: a single-object response over ``MAX_OBJECT_BYTES``, or a watch event line over that plus its
+  envelope (``MAX_EVENT_BYTES``: an object a GET reads is never refused in a watch), is not buffered. No object
+  the apiserver stores comes close: etcd refuses values over 1.5 MiB by default, and built-in types are stored
+  as protobuf, where the apiserver's JSON escapes ``<``, ``>`` and ``&`` as six bytes each (``\u003c``), so a
+  tenant's ResourceClaim with a long ownerReference name of ``<`` comes out at up to about 9.4 MB. The bound
+  sits above that, so no stored object is unreadable by size (a claim refused in the controller's watch but
+  read by the node agent's GET hid it from the claim cache); it keeps a broken stream from growing a buffer
+  without end. A list page has no bound of its own: its size is what the apiserver makes of ``limit`` items.
 
 How: the parser is pydantic-core's (``from_json``), which refuses a document nested deeper than its recursion
 limit instead of exhausting the interpreter's stack; that refusal is the fast path's only extra cost. Only
@@ -41,6 +45,7 @@ from computedomain.api.limits import shown
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_EVENT_BYTES",
     "MAX_OBJECT_BYTES",
     "DecodeError",
     "Decoded",
@@ -58,8 +63,10 @@ __all__ = [
 #: watch event's object at level 2). pydantic-core's parser accepts this many and refuses documents a few
 #: levels deeper by itself (a unit test pins both); no Kubernetes object of a schema comes near it.
 MAX_DEPTH: Final = 200
-#: Bytes of one watch event line or one single-object response.
-MAX_OBJECT_BYTES: Final = 8 * 1024 * 1024
+#: Bytes of one single-object response (module docstring: above what the apiserver can render).
+MAX_OBJECT_BYTES: Final = 16 * 1024 * 1024
+#: Bytes of one watch event line: an object and the event around it.
+MAX_EVENT_BYTES: Final = MAX_OBJECT_BYTES + 4096
 #: Path components shown of a field nested too deep (the rest is elided).
 SHOWN_COMPONENTS: Final = 12
 
@@ -184,8 +191,8 @@ def decode_items(decoded: Decoded, prefix: Path) -> tuple[list[Any], list[Reject
 
 
 def too_large(size: int) -> str:
-    """The reason for an object of ``size`` bytes, over ``MAX_OBJECT_BYTES``."""
-    return f"the object is {size:,} bytes; the limit is {MAX_OBJECT_BYTES:,} bytes"
+    """The reason for a watch event of ``size`` bytes, over ``MAX_EVENT_BYTES``."""
+    return f"the object's event is {size:,} bytes; the limit is {MAX_EVENT_BYTES:,} bytes"
 
 
 def partial(head: bytes) -> dict[str, Any]:

@@ -148,7 +148,7 @@ class NodeHolder:
         if namespace is not None:
             listed = await self.client.list_all(RESOURCE_CLAIMS, namespace=namespace)
             unprepared = {uid for uid, e in cp.claims.items() if e.state.is_tombstone}
-            waiting = allocated_here(listed.items, node_name=self.node_name, unprepared=unprepared)
+            waiting = allocated_here(listed.every, node_name=self.node_name, unprepared=unprepared)
             if waiting:
                 log.debug("node holder: claims of %s allocated here, still draining claims=%s", last, waiting)
                 return RequeueAfter(self.settle_s)

@@ -14,7 +14,7 @@ from pydantic_core import from_json
 
 from computedomain.kube.client import RESOURCE_CLAIM_TEMPLATES, ClientConfig, KubeClient
 from computedomain.kube.config import Credentials
-from computedomain.kube.decoding import MAX_DEPTH, MAX_OBJECT_BYTES, DecodeError, decode, decode_items
+from computedomain.kube.decoding import MAX_DEPTH, MAX_EVENT_BYTES, MAX_OBJECT_BYTES, DecodeError, decode, decode_items
 from computedomain.kube.errors import Permanent, Unreadable
 from computedomain.kube.informer import Informer, Rejection
 from tests.unit.kube.apistub import ApiStub, Recorded, Reply
@@ -152,7 +152,7 @@ def event(etype: str, obj: dict[str, Any]) -> bytes:
 @pytest.fixture
 async def hostile() -> AsyncIterator[tuple[FakeApiserver, KubeClient]]:
     big = template("huge", rv="12")
-    big["metadata"]["annotations"] = {"pad": "x" * (MAX_OBJECT_BYTES + 10)}
+    big["metadata"]["annotations"] = {"pad": "x" * (MAX_EVENT_BYTES + 10)}
     fake = FakeApiserver(
         listing(template("a"), template("evil", depth=APISERVER_DEPTH), template("b")),
         [
@@ -206,5 +206,37 @@ async def test_the_informer_skips_hostile_objects_reports_each_once_and_goes_on(
     evil, turned, huge = told
     assert evil.ref.uid == "uid-evil" and evil.ref.kind == "ResourceClaimTemplate"
     assert evil.reason.startswith(FIELD) and turned.reason.startswith(FIELD)
-    assert f"the limit is {MAX_OBJECT_BYTES:,} bytes" in huge.reason
+    assert f"the limit is {MAX_EVENT_BYTES:,} bytes" in huge.reason
     assert sorted(r.ref.name for r in informer.rejected()) == ["a", "huge"]  # evil was deleted
+
+
+async def test_an_object_a_get_reads_is_read_in_a_watch_too() -> None:
+    """The watch's bound is the object's plus the event around it: a claim the node agent's GET reads but the
+    controller's watch refused (by the 29 bytes of the envelope) was missing from the claim cache, and so
+    never verified in its channel record."""
+    big = template("big", rv="3")
+    big["metadata"]["annotations"] = {"pad": ""}
+    big["metadata"]["annotations"]["pad"] = "x" * (MAX_OBJECT_BYTES - 10 - len(encode(big)))
+    body = encode(big)
+    assert len(body) == MAX_OBJECT_BYTES - 10
+    done = asyncio.Event()
+
+    def answer(request: Recorded) -> Reply:
+        if "watch=true" in request.target:
+            line = event("MODIFIED", big) + b"\n"
+            return Reply(chunks=[line[at : at + (1 << 20)] for at in range(0, len(line), 1 << 20)], hold_open=done)
+        return Reply(body=body)
+
+    async with ApiStub() as server:
+        server.answer = answer
+        client = KubeClient(Credentials(server.url), config=ClientConfig(qps=0, max_attempts=1))
+        try:
+            got = await client.get(RESOURCE_CLAIM_TEMPLATES, "big", namespace="tenant")
+            assert got["metadata"]["name"] == "big"
+            stream = client.watch(RESOURCE_CLAIM_TEMPLATES, namespace="tenant", resource_version="1")
+            first = await anext(aiter(stream))
+            await stream.aclose()
+            assert first.rejected is None and first.object["metadata"]["name"] == "big"
+        finally:
+            done.set()
+            await client.close()

@@ -1,0 +1,94 @@
+"""The channel assignment's executor (``ChannelAssigner``) on one clique, with a stand-in for the caches and the
+API that records the writes: what it looks up live when the caches cannot vouch for an entry. The plans
+themselves: test_channels.py; the whole protocol on a real apiserver: tests/cluster/system/test_channel_isolation.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, DRIVER_NAME, GPU_CLIQUE_NODE_LABEL
+from computedomain.controller.channel_assigner import ChannelAssigner
+from computedomain.controller.channels import CliqueSpace, Lock, Record, lock_name
+from computedomain.kube.client import ObjectList
+from tests.unit.controller.helpers import settings
+
+C = "6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40.1"
+D = "00000000-0000-4000-8000-000000000001"
+NS = "nvidia-dra"
+RECORD = Record(
+    name=f"{D}.{C}", namespace=NS, uid="rec-1", resource_version="7", domain_uid=D, clique_id=C, channel=3,
+    claims=(("claim-1", "n1"),), finalizers=(COMPUTE_DOMAIN_FINALIZER,),
+)  # fmt: skip
+LOCK = Lock(lock_name(C, 3), NS, "lock-3", C, 3, D, "rec-1")
+
+
+def allocated_claim(uid: str, node: str, domain: str) -> dict[str, Any]:
+    params = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomainChannelConfig", "domainID": domain}
+    return {
+        "metadata": {"name": uid, "namespace": "team-a", "uid": uid},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": "channel", "driver": DRIVER_NAME, "pool": node, "device": "channel-0"}],
+            "config": [{"source": "FromClaim", "opaque": {"driver": DRIVER_NAME, "parameters": params}}],
+        }}},
+    }  # fmt: skip
+
+
+class Caches:
+    """The clique as the caches show it: the claim cache has not shown (or could not read) the claim."""
+
+    cd_namespace = None
+
+    def clique_space(self, clique_id: str) -> CliqueSpace:
+        return CliqueSpace(clique_id, (RECORD,), (LOCK,), frozenset({D}))
+
+    def cd(self, uid: str) -> None:
+        return None
+
+
+class Api:
+    def __init__(self, claims: list[dict[str, Any]]) -> None:
+        self.claims = claims
+        self.patches: list[list[dict[str, Any]]] = []
+        self.lists = 0
+
+    async def list_all(self, resource: Any, **_: Any) -> ObjectList:
+        self.lists += 1
+        return ObjectList(items=self.claims, resource_version="9")
+
+    async def get(self, resource: Any, name: str, **_: Any) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": {GPU_CLIQUE_NODE_LABEL: C}}}
+
+    async def json_patch(self, resource: Any, name: str, ops: list[dict[str, Any]], **_: Any) -> dict[str, Any]:
+        self.patches.append(ops)
+        return {
+            "metadata": {"name": name, "namespace": NS, "uid": "rec-1", "resourceVersion": "8",
+                         "labels": {"resource.nvidia.com/computeDomain": D}, "finalizers": [COMPUTE_DOMAIN_FINALIZER]},
+            "channel": 3,
+            "preparedClaims": [{"claimUID": "claim-1", "nodeName": "n1", "verified": True}],
+        }  # fmt: skip
+
+
+class Writer:
+    def __init__(self, api: Api) -> None:
+        self.client = api
+        self.caches = Caches()
+
+    def event(self, *args: Any) -> None:
+        pass
+
+
+async def test_an_entry_the_claim_cache_does_not_show_is_verified_from_a_live_list() -> None:
+    api = Api([allocated_claim("claim-1", "n1", D)])
+    assigner = ChannelAssigner(Writer(api), settings(IMEX_ISOLATION="domain"))  # type: ignore[arg-type]
+    await assigner.reconcile(C)
+    assert api.lists == 1
+    assert [op for ops in api.patches for op in ops if op["op"] == "add"] == [
+        {"op": "add", "path": "/preparedClaims/0/verified", "value": True}
+    ]
+
+
+async def test_an_entry_whose_claim_a_live_list_does_not_show_stays_unverified() -> None:
+    api = Api([allocated_claim("claim-1", "n2", D), allocated_claim("claim-2", "n1", D)])
+    assigner = ChannelAssigner(Writer(api), settings(IMEX_ISOLATION="domain"))  # type: ignore[arg-type]
+    await assigner.reconcile(C)
+    assert api.lists == 1 and api.patches == []
