@@ -12,6 +12,7 @@ from computedomain.api.models import ComputeDomain
 from computedomain.controller.executor import Writer
 from computedomain.controller.nodes import NodeLabeller, decide, wanted
 from computedomain.controller.observed import ClaimView, NodeView, decode_claim
+from computedomain.kube.client import ObjectList
 from computedomain.kube.converge import DONE
 from computedomain.kube.workqueue import RequeueAfter
 from tests.unit.controller.helpers import OTHER_UID, UID, compute_domain
@@ -74,11 +75,6 @@ def test_only_live_domains_with_claims_in_their_own_namespace_want_a_node() -> N
 
 
 @dataclass
-class _Listed:
-    items: list[dict[str, Any]]
-
-
-@dataclass
 class _Nodes:
     views: dict[str, NodeView]
 
@@ -115,9 +111,9 @@ class _Writer:
     def client(self) -> _Writer:
         return self
 
-    async def list_all(self, _resource: Any, *, namespace: str) -> _Listed:
+    async def list_all(self, _resource: Any, *, namespace: str) -> ObjectList:
         self.lists += 1
-        return _Listed([c for c in self.live if c["metadata"]["namespace"] == namespace])
+        return ObjectList(items=[c for c in self.live if c["metadata"]["namespace"] == namespace], resource_version="1")
 
     async def label_node(self, name: str, *, expect: str | None, value: str | None) -> bool:
         if self.changed_under_us:

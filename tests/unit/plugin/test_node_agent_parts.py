@@ -12,6 +12,7 @@ import pytest
 
 from computedomain.api.constants import COMPUTE_DOMAIN_LABEL
 from computedomain.api.models import ComputeDomain, ComputeDomainClique
+from computedomain.kube.client import ObjectList
 from computedomain.kube.clock import FakeClock
 from computedomain.kube.workqueue import DONE, RequeueAfter
 from computedomain.plugin.cdi import ClaimSpec, channel_edits
@@ -94,7 +95,7 @@ class _Claims:
 
     async def list_all(self, _resource: Any, *, namespace: str | None = None) -> Any:
         self.lists += 1
-        return type("L", (), {"items": list(self.items)})()
+        return ObjectList(items=list(self.items), resource_version="1")
 
 
 def _allocated(name: str, uid: str, pool: str = NODE) -> dict[str, Any]:
