@@ -9,7 +9,9 @@ is the attacker. What must hold (docs/security.md):
 * a record gets a channel only while it lists a claim of a node of its clique (the node's
   ``nvidia.com/gpu.clique`` label): one node's token cannot take channels in other cliques;
 * a record being deleted takes no fresh entries (they would keep the deleted domain's channel taken for as
-  long as the token keeps writing them), and the node's cleanup does not write one there either.
+  long as the token keeps writing them), and the node's cleanup does not write one there either;
+* a node lists one new claim per write and at most 128 in a record (one token cannot grow a record past what
+  etcd stores).
 """
 
 from __future__ import annotations
@@ -307,6 +309,35 @@ async def test_a_record_being_deleted_takes_no_fresh_entries(bed: Bed) -> None:
         bed.cluster.kubectl(
             "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
         )
+
+
+async def test_a_node_lists_one_new_claim_per_write_and_at_most_128_in_a_record(bed: Bed) -> None:
+    """Unbounded, one token's entries could grow a live domain's record past what etcd stores; every later
+    write of it (the other nodes' appends, the controller's marks) would then fail."""
+    _, attacker_node = bed.nodes
+    attacker = bed.agents[attacker_node]
+    d = str(uuid.uuid4())
+    name = f"{d}.{CLIQUE}"
+    await attacker.create(COMPUTE_DOMAIN_CLIQUES, _record(bed, name, d, [("c0", attacker_node)]), namespace=bed.ns)
+    try:
+
+        def add(claim: str) -> dict[str, Any]:
+            return {"op": "add", "path": "/preparedClaims/-", "value": {"claimUID": claim, "nodeName": attacker_node}}
+
+        two = [add("two-a"), add("two-b")]
+        why = await _refused(attacker.json_patch(COMPUTE_DOMAIN_CLIQUES, name, two, namespace=bed.ns))
+        assert "may list one new claim of its own per write" in why, why
+        for i in range(1, 128):
+            await attacker.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [add(f"c{i}")], namespace=bed.ns)
+        assert len(await _entries(bed, name)) == 128
+        why = await _refused(attacker.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [add("c128")], namespace=bed.ns))
+        assert "may list at most 128 claims of its own" in why, why
+    finally:
+        unpin = '{"metadata":{"finalizers":null}}'
+        bed.cluster.kubectl(
+            "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
+        )
+        bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false", check=False)
 
 
 async def test_a_record_gets_a_channel_only_from_a_node_of_its_clique(bed: Bed) -> None:
