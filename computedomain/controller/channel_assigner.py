@@ -21,6 +21,9 @@ is left, as the domain reconcile does. The writes, and what makes each safe:
   with its clique, and none of its unverified entries allocated there by a live list of the claims): a
   DELETE with its UID and resourceVersion as preconditions, so an entry a node agent added in between
   makes it a ``Conflict`` (planned again on the fresh state);
+* dropping verified entries that hold nothing (``_vacated``: of a node not labelled with the record's clique,
+  for a claim a live list taken after the entry was first seen no longer has), from records being deleted,
+  and counting them as unused in live ones;
 * dropping claims of vanished nodes: only after a live GET of each such Node answered NotFound, and
   unverified claims of a record being deleted: only when a live list of every ResourceClaim, taken after this
   process first saw the entry, does not show it allocated there for the domain (at most one such list every
@@ -93,8 +96,8 @@ class ChannelAssigner:
         # verified entry.
         self._unused_since: dict[str, dict[str, float]] = {}
         self._nodes: dict[str, tuple[str | None, float]] = {}
-        # Per clique, when this process first saw each unverified entry (record name, claim UID, node); and
-        # the last live list of every claim (by UID) with when it was taken.
+        # Per clique, when this process first saw each entry (record name, claim UID, node); and the last live
+        # list of every claim (by UID) with when it was taken.
         self._first_seen: dict[str, dict[tuple[str, str, str], float]] = {}
         self._claims: tuple[dict[str, ClaimView], float] | None = None
         # Set once the apiserver dropped the mark (a CRD older than the chart): verifying stops, not loops.
@@ -112,7 +115,7 @@ class ChannelAssigner:
                 GPU_CLIQUE_NODE_LABEL,
                 clique_id,
             )
-        self._note_unverified(space)
+        self._note_entries(space)
         space, unlisted = await self._verifiable_live(space)
         idle, retire_in = await self._idle(space)
         space = replace(space, idle=idle)
@@ -286,10 +289,14 @@ class ChannelAssigner:
         idle: set[str] = set()
         later: list[float] = []
         for record in space.records:
-            if record.channel is None or record.terminating or record.verified:
+            if record.channel is None or record.terminating or record.domain_uid not in space.live_domains:
                 continue
-            if record.domain_uid not in space.live_domains:
-                continue
+            if record.verified:
+                vacated = await self._vacated(record)
+                if vacated is None:
+                    later.append(CLAIM_LIST_S)  # no live list to tell yet
+                if vacated is None or record.verified - vacated:
+                    continue  # a claim holds the channel
             start = since[record.uid] = before.get(record.uid, now)
             left = start + self.idle_release - now
             # Entries only of nodes no longer in the clique (a stolen token moving its Node's label from
@@ -322,10 +329,10 @@ class ChannelAssigner:
         found = {(r.name, u, n) for r, (u, n) in pending if u in claims and claims[u].allocated(r.domain_uid, n)}
         return (replace(space, verifiable=space.verifiable | found) if found else space), False
 
-    def _note_unverified(self, space: CliqueSpace) -> None:
+    def _note_entries(self, space: CliqueSpace) -> None:
         now = time.monotonic()
         before = self._first_seen.pop(space.clique_id, {})
-        seen = {(r.name, *entry): before.get((r.name, *entry), now) for r in space.records for entry in r.unverified}
+        seen = {(r.name, *entry): before.get((r.name, *entry), now) for r in space.records for entry in r.claims}
         if seen:
             self._first_seen[space.clique_id] = seen
 
@@ -374,12 +381,13 @@ class ChannelAssigner:
     async def _prune(self, record: Record) -> Record | Gone | Unchanged:
         gone = {node for node in record.nodes if not await self._node_exists(node)}
         unfounded = await self._unfounded(record)
-        if not gone and not unfounded:
+        vacated = await self._vacated(record) or set()
+        if not gone and not unfounded and not vacated:
             return Unchanged()
         kept = [
             {"claimUID": c, "nodeName": n, **({"verified": True} if (c, n) in record.verified else {})}
             for c, n in record.claims
-            if n not in gone and (c, n) not in unfounded
+            if n not in gone and (c, n) not in unfounded and (c, n) not in vacated
         ]
         patch = {"metadata": {"resourceVersion": record.resource_version}, "preparedClaims": kept}
         try:
@@ -395,7 +403,33 @@ class ChannelAssigner:
                 record,
                 ",".join(f"{u}@{n}" for u, n in sorted(unfounded)),
             )
+        if vacated:
+            log.warning(
+                "dropped claims that are gone, of nodes not in the record's clique, from %s claims=%s",
+                record,
+                ",".join(f"{u}@{n}" for u, n in sorted(vacated)),
+            )
         return channels.record_of(ComputeDomainClique.model_validate(raw))
+
+    async def _vacated(self, record: Record) -> set[tuple[str, str]] | None:
+        """The record's verified entries that hold nothing any more: of a node not labelled with its clique,
+        for a claim a live list taken after the entry was first seen no longer has (a claim exists from before
+        its entry is written until it is deleted, and a UID never comes back). None: no such list yet.
+
+        A stolen node agent token can list a real claim of its node in a record of every clique it moves its
+        Node's label through, and each such entry gets verified; without this they held a channel in every
+        clique for good. A real entry is kept while its claim exists, or while its node is in the clique
+        (a pod force-deleted from an unreachable node may still run there), so a token moving a victim node's
+        label frees no channel the victim's container uses while its claim exists."""
+        away = [e for e in record.claims if e in record.verified and await self._node_clique(e[1]) != record.clique_id]
+        if not away:
+            return set()
+        now = time.monotonic()
+        since = max(now if (seen := self._seen(record, e)) is None else seen for e in away)
+        claims = await self._claims_since(since)
+        if claims is None:
+            return None
+        return {(u, n) for u, n in away if u not in claims}
 
     async def _node_exists(self, name: str) -> bool:
         return await self._node_clique(name) is not None

@@ -38,7 +38,8 @@ back in (``fold``) and asks again until nothing is left. Per clique, in order of
   unverified entries whose claim a live list does not show allocated on that node for the domain (what a
   stolen node agent token lists to keep a deleted domain's channel taken). A verified entry stays until its
   node's agent takes it off or its node is gone, even when its claim is gone (a pod force-deleted from an
-  unreachable node may still run there).
+  unreachable node may still run there), unless its node is not labelled with the record's clique either
+  (the executor's ``_vacated``).
 
 Nothing here does I/O.
 """
@@ -201,7 +202,8 @@ class CliqueSpace:
     unbound: frozenset[str] = frozenset()
     # (record name, claim UID, node) of unverified entries whose claim is allocated there for its domain.
     verifiable: frozenset[tuple[str, str, str]] = frozenset()
-    # Records of live domains whose channel no claim has held for the idle time (the executor decides): retired.
+    # Records of live domains whose channel no claim has held for the idle time (the executor decides, verified
+    # entries included): retired.
     idle: frozenset[str] = frozenset()
 
     def with_record(self, record: Record) -> CliqueSpace:
@@ -344,7 +346,7 @@ def plan(space: CliqueSpace, count: int) -> Plan:
             actions += [
                 DeleteLock(lk, f"{record} holds channel {record.channel}") for lk in own if lk.channel != record.channel
             ]
-            if record.name in space.idle and not record.terminating and not record.verified:
+            if record.name in space.idle and not record.terminating:
                 actions.append(RetireRecord(record))
                 continue
             if not record.terminating and not any(lk.channel == record.channel for lk in space.locks):

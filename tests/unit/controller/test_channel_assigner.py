@@ -4,6 +4,7 @@ themselves: test_channels.py; the whole protocol on a real apiserver: tests/clus
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, DRIVER_NAME, GPU_CLIQUE_NODE_LABEL
@@ -92,3 +93,71 @@ async def test_an_entry_whose_claim_a_live_list_does_not_show_stays_unverified()
     assigner = ChannelAssigner(Writer(api), settings(IMEX_ISOLATION="domain"))  # type: ignore[arg-type]
     await assigner.reconcile(C)
     assert api.lists == 1 and api.patches == []
+
+
+class Moved(Api):
+    """The record's node is labelled with another clique (a stolen token moved it there)."""
+
+    def __init__(self, claims: list[dict[str, Any]], clique: str = "elsewhere.2") -> None:
+        super().__init__(claims)
+        self.clique = clique
+        self.deleted: list[dict[str, Any]] = []
+
+    async def get(self, resource: Any, name: str, **_: Any) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": {GPU_CLIQUE_NODE_LABEL: self.clique}}}
+
+    async def delete(self, resource: Any, name: str, **kwargs: Any) -> dict[str, Any]:
+        self.deleted.append({"name": name, **kwargs})
+        return {"kind": "Status", "status": "Success"}
+
+
+class VerifiedCaches(Caches):
+    def clique_space(self, clique_id: str) -> CliqueSpace:
+        record = replace(RECORD, verified=frozenset(RECORD.claims))
+        return CliqueSpace(clique_id, (record,), (LOCK,), frozenset({D}))
+
+
+async def test_a_verified_entry_holds_only_while_its_claim_exists_or_its_node_is_in_the_clique() -> None:
+    """A stolen node agent token may list a real claim of its node in a record of every clique it moves its
+    Node's label through, and the entry gets verified: once the claim is gone and the node is not in the
+    record's clique, the entry holds nothing and the record is retired (before: it kept the channel for good).
+    A real entry of a node whose label a token moved stays while its claim exists; one of a node in the
+    clique stays even when the claim is gone (a pod force-deleted from an unreachable node may still run)."""
+    cases = {
+        "claim gone, node elsewhere": (Moved([]), True),
+        "claim still there, node elsewhere": (Moved([allocated_claim("claim-1", "n1", D)]), False),
+        "claim gone, node in the clique": (Moved([], clique=C), False),
+    }
+    for what, (api, retired) in cases.items():
+        writer = Writer(api)
+        writer.caches = VerifiedCaches()
+        assigner = ChannelAssigner(writer, settings(IMEX_ISOLATION="domain"))  # type: ignore[arg-type]
+        await assigner.reconcile(C)
+        assert bool(api.deleted) == retired, what
+        if retired:
+            assert api.deleted[0]["uid"] == "rec-1" and api.deleted[0]["resource_version"] == "7"
+
+
+async def test_a_deleted_domains_record_drops_a_verified_entry_that_holds_nothing() -> None:
+    class Deleting(VerifiedCaches):
+        def clique_space(self, clique_id: str) -> CliqueSpace:
+            record = replace(RECORD, verified=frozenset(RECORD.claims), terminating=True)
+            return CliqueSpace(clique_id, (record,), (LOCK,), frozenset())
+
+    class Patched(Moved):
+        patched: list[dict[str, Any]] = []
+
+        async def merge_patch(self, resource: Any, name: str, patch: dict[str, Any], **_: Any) -> dict[str, Any]:
+            self.patched.append(patch)
+            return {"metadata": {"name": name, "namespace": NS, "uid": "rec-1", "resourceVersion": "8",
+                                 "deletionTimestamp": "2026-12-06T00:00:00Z"},
+                    "channel": 3, "preparedClaims": patch.get("preparedClaims")}  # fmt: skip
+
+    for claims, dropped in (([], True), ([allocated_claim("claim-1", "n1", D)], False)):
+        api = Patched(claims)
+        api.patched = []
+        writer = Writer(api)
+        writer.caches = Deleting()
+        await ChannelAssigner(writer, settings(IMEX_ISOLATION="domain")).reconcile(C)  # type: ignore[arg-type]
+        lists = [p["preparedClaims"] for p in api.patched if "preparedClaims" in p]
+        assert (lists[:1] == [[]]) == dropped, (claims, api.patched)
