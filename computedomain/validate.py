@@ -485,11 +485,7 @@ async def _template_made(client: KubeClient, options: Options, within: float, po
     """Whether the domain's channel ResourceClaimTemplate exists within ``within`` seconds."""
 
     async def made() -> bool:
-        try:
-            await client.get(RESOURCE_CLAIM_TEMPLATES, f"{options.name}-channel", namespace=options.namespace)
-        except NotFound:
-            return False
-        return True
+        return await _get(client, f"{options.name}-channel", options.namespace, RESOURCE_CLAIM_TEMPLATES) is not None
 
     return bool(
         await AsyncRetrying(
@@ -501,9 +497,10 @@ async def _template_made(client: KubeClient, options: Options, within: float, po
     )
 
 
-async def _get(client: KubeClient, name: str, namespace: str) -> Raw | None:
+async def _get(client: KubeClient, name: str, namespace: str, resource: Resource = COMPUTE_DOMAINS) -> Raw | None:
+    """The object, or None when it does not exist."""
     try:
-        return await client.get(COMPUTE_DOMAINS, name, namespace=namespace)
+        return await client.get(resource, name, namespace=namespace)
     except NotFound:
         return None
 
@@ -517,15 +514,8 @@ async def _cleanup(client: KubeClient, options: Options, within: float = 120.0) 
         with contextlib.suppress(NotFound):
             await client.delete(resource, options.name, namespace=options.namespace, propagation_policy="Foreground")
 
-    async def exists(resource: Resource) -> bool:
-        try:
-            await client.get(resource, options.name, namespace=options.namespace)
-        except NotFound:
-            return False
-        return True
-
     async def gone() -> bool:
-        return not any([await exists(resource) for resource in made])
+        return all([await _get(client, options.name, options.namespace, resource) is None for resource in made])
 
     await AsyncRetrying(
         wait=wait_fixed(0.5), stop=stop_after_delay(within), retry=retry_if_result(lambda done: not done)

@@ -322,9 +322,9 @@ class ChannelRecords:
 
         async def once() -> bool:
             record = await self._get(name)
+            if _lists(record, claim_uid, self.node_name):
+                return False
             if record is None or record.metadata.deletion_timestamp is not None:
-                if record is not None and _lists(record, claim_uid, self.node_name):
-                    return False
                 log.error(
                     "the channel record of a claim prepared here is %s without the claim: its channel may be "
                     "handed to another domain while the claim's containers use it record=%s claim=%s",
@@ -332,8 +332,6 @@ class ChannelRecords:
                     name,
                     claim_uid,
                 )
-                return False
-            if _lists(record, claim_uid, self.node_name):
                 return False
             try:
                 await self._append(record, claim_uid)
