@@ -18,12 +18,14 @@ is left, as the domain reconcile does. The writes, and what makes each safe:
   watch could read must not stay unverified: unverified entries are dropped once their claim is gone);
 * retiring a live domain's record whose channel went unused (``IMEX_CHANNEL_IDLE_RELEASE`` since this process
   first saw it without a verified entry, or at once when its entries are all of nodes no longer labelled
-  with its clique, and none of its unverified entries allocated there by a live list of the claims): a
-  DELETE with its UID and resourceVersion as preconditions, so an entry a node agent added in between
-  makes it a ``Conflict`` (planned again on the fresh state);
+  with its clique, and none of its unverified entries allocated there by a live list of the claims), or
+  that stayed unbound without a channel for as long: a DELETE with its UID and resourceVersion as
+  preconditions, so an entry a node agent added in between makes it a ``Conflict`` (planned again on the
+  fresh state);
 * dropping verified entries that hold nothing (``_vacated``: of a node not labelled with the record's clique,
-  for a claim a live list taken after the entry was first seen no longer has), from records being deleted,
-  and counting them as unused in live ones;
+  for a claim a live list no older than ``AWAY_RECHECK_S`` and taken after the entry was first seen no
+  longer has), from records being deleted, and counting them as unused in live ones; a clique with such
+  entries is looked at again every ``AWAY_RECHECK_S``, as a claim's deletion does not wake its loop;
 * dropping claims of vanished nodes: only after a live GET of each such Node answered NotFound, and
   unverified claims of a record being deleted: only when a live list of every ResourceClaim, taken after this
   process first saw the entry, does not show it allocated there for the domain (at most one such list every
@@ -77,6 +79,9 @@ NODE_MEMO_S: Final = 30.0
 UNBOUND_RECHECK_S: Final = 5.0
 #: the least time between two live lists of every ResourceClaim (unverified entries of records being deleted)
 CLAIM_LIST_S: Final = 5.0
+#: how old a claim list may be to tell that a verified entry of a node outside its record's clique holds nothing,
+#: and how soon a clique with such entries is looked at again (claim events do not wake this loop)
+AWAY_RECHECK_S: Final = 60.0
 
 CHANNEL_WRITES = Counter(
     "computedomain_controller_imex_channel_writes_total",
@@ -92,9 +97,11 @@ class ChannelAssigner:
         self.caches: Caches = writer.caches
         self.count = settings.imex_channel_count
         self.idle_release = settings.imex_channel_idle_release
-        # Per clique, since when this process has seen each live domain's record (by UID) with a channel and no
-        # verified entry.
-        self._unused_since: dict[str, dict[str, float]] = {}
+        # Per clique, since when this process has seen each live domain's record (by UID, and whether it was
+        # channel-less) with a channel and no verified entry, or without a channel and unbound.
+        self._unused_since: dict[str, dict[tuple[str, bool], float]] = {}
+        # Per clique, the unbound records (by UID) already named at INFO.
+        self._told_unbound: dict[str, set[str]] = {}
         self._nodes: dict[str, tuple[str | None, float]] = {}
         # Per clique, when this process first saw each entry (record name, claim UID, node); and the last live
         # list of every claim (by UID) with when it was taken.
@@ -106,15 +113,7 @@ class ChannelAssigner:
     async def reconcile(self, clique_id: str) -> ReconcileResult:
         space = self.caches.clique_space(clique_id)
         space = replace(space, unbound=await self._unbound(space))
-        for name in sorted(space.unbound):
-            log.info(
-                "no IMEX channel for %s/%s: it lists no claim of a node labelled %s=%s (a node agent asks only "
-                "in its own clique); checked again shortly",
-                space.records[0].namespace,
-                name,
-                GPU_CLIQUE_NODE_LABEL,
-                clique_id,
-            )
+        self._tell_unbound(space)
         self._note_entries(space)
         space, unlisted = await self._verifiable_live(space)
         idle, retire_in = await self._idle(space)
@@ -131,6 +130,8 @@ class ChannelAssigner:
                     later.append(UNBOUND_RECHECK_S)
                 if unlisted or self._awaiting_list(space):  # unverified entries wait for a live list
                     later.append(CLAIM_LIST_S)
+                if await self._any_away(space):  # their claims' deletion wakes nothing here
+                    later.append(AWAY_RECHECK_S)
                 return RequeueAfter(min(later)) if later else DONE
             results = await gather_all(self._apply(action) for action in plan.actions)
             for action, result in zip(plan.actions, results, strict=True):
@@ -229,18 +230,27 @@ class ChannelAssigner:
             return Gone()
         except Conflict:
             return Unchanged()  # an entry came (or went) meanwhile: planned again on what the watch shows
-        log.info(
-            "taking back an unused IMEX channel channel=%s clique=%s record=%s",
-            record.channel,
-            record.clique_id,
-            record,
-        )
-        self._tell(
-            record,
-            "ChannelReleased",
-            f"IMEX channel {record.channel} in clique {record.clique_id} taken back: no pod of this ComputeDomain "
-            f"holds it there (IMEX_CHANNEL_IDLE_RELEASE {self.idle_release:g}s); its next pod there gets one anew",
-        )
+        if record.channel is None:
+            log.info(
+                "deleted %s: no node labelled with its clique listed a claim in it for %gs (a node agent asks only "
+                "in its own clique)",
+                record,
+                self.idle_release,
+            )
+        else:
+            log.info(
+                "taking back an unused IMEX channel channel=%s clique=%s record=%s",
+                record.channel,
+                record.clique_id,
+                record,
+            )
+            self._tell(
+                record,
+                "ChannelReleased",
+                f"IMEX channel {record.channel} in clique {record.clique_id} taken back: no pod of this "
+                f"ComputeDomain holds it there (IMEX_CHANNEL_IDLE_RELEASE {self.idle_release:g}s); its next pod "
+                "there gets one anew",
+            )
         if raw.get("kind") != "ComputeDomainClique":
             return Gone()
         return channels.record_of(ComputeDomainClique.model_validate(raw))
@@ -279,17 +289,29 @@ class ChannelAssigner:
         return written
 
     async def _idle(self, space: CliqueSpace) -> tuple[frozenset[str], float | None]:
-        """The live domains' records whose channel went unused for ``idle_release`` (module docstring), and in
-        how many seconds the next one may have (None: none is timed)."""
+        """The live domains' records whose channel went unused for ``idle_release`` (module docstring), or that
+        stayed unbound without a channel that long, and in how many seconds the next one may be (None: none is
+        timed)."""
         if not self.idle_release:
             return frozenset(), None
         now = time.monotonic()
         before = self._unused_since.pop(space.clique_id, {})
-        since: dict[str, float] = {}
+        since: dict[tuple[str, bool], float] = {}
         idle: set[str] = set()
         later: list[float] = []
         for record in space.records:
-            if record.channel is None or record.terminating or record.domain_uid not in space.live_domains:
+            if record.terminating or record.domain_uid not in space.live_domains:
+                continue
+            if record.channel is None:
+                # A record no node of the clique lists (a stolen token asking in made-up cliques) holds no
+                # channel, but would stay for as long as its domain lives.
+                if record.name in space.unbound:
+                    key = (record.uid, True)
+                    left = (since.setdefault(key, before.get(key, now))) + self.idle_release - now
+                    if left > 0:
+                        later.append(left)
+                    else:
+                        idle.add(record.name)
                 continue
             if record.verified:
                 vacated = await self._vacated(record)
@@ -297,7 +319,8 @@ class ChannelAssigner:
                     later.append(CLAIM_LIST_S)  # no live list to tell yet
                 if vacated is None or record.verified - vacated:
                     continue  # a claim holds the channel
-            start = since[record.uid] = before.get(record.uid, now)
+            key = (record.uid, False)
+            start = since[key] = before.get(key, now)
             left = start + self.idle_release - now
             # Entries only of nodes no longer in the clique (a stolen token moving its Node's label from
             # clique to clique to ask in each) do not wait for the idle time.
@@ -421,15 +444,27 @@ class ChannelAssigner:
         clique for good. A real entry is kept while its claim exists, or while its node is in the clique
         (a pod force-deleted from an unreachable node may still run there), so a token moving a victim node's
         label frees no channel the victim's container uses while its claim exists."""
-        away = [e for e in record.claims if e in record.verified and await self._node_clique(e[1]) != record.clique_id]
+        away = await self._away(record)
         if not away:
             return set()
         now = time.monotonic()
-        since = max(now if (seen := self._seen(record, e)) is None else seen for e in away)
+        # Taken after every entry was first seen, and not long ago: a list that still showed the claim must not
+        # answer for good that it exists.
+        since = max(now - AWAY_RECHECK_S, *(now if (seen := self._seen(record, e)) is None else seen for e in away))
         claims = await self._claims_since(since)
         if claims is None:
             return None
         return {(u, n) for u, n in away if u not in claims}
+
+    async def _away(self, record: Record) -> list[tuple[str, str]]:
+        """The record's verified entries of nodes not labelled with its clique."""
+        return [e for e in record.claims if e in record.verified and await self._node_clique(e[1]) != record.clique_id]
+
+    async def _any_away(self, space: CliqueSpace) -> bool:
+        for record in space.records:
+            if record.channel is not None and await self._away(record):
+                return True
+        return False
 
     async def _node_exists(self, name: str) -> bool:
         return await self._node_clique(name) is not None
@@ -461,6 +496,26 @@ class ChannelAssigner:
             if not await self._lists_a_member(record, space.clique_id):
                 unbound.add(record.name)
         return frozenset(unbound)
+
+    def _tell_unbound(self, space: CliqueSpace) -> None:
+        """Name each unbound record at INFO once (then at DEBUG, each pass): a token may make many."""
+        told = self._told_unbound.pop(space.clique_id, set())
+        now = set()
+        for record in sorted(space.records, key=lambda r: r.name):
+            if record.name not in space.unbound:
+                continue
+            now.add(record.uid)
+            level = logging.DEBUG if record.uid in told else logging.INFO
+            log.log(
+                level,
+                "no IMEX channel for %s: it lists no claim of a node labelled %s=%s (a node agent asks only in its "
+                "own clique); checked again shortly",
+                record,
+                GPU_CLIQUE_NODE_LABEL,
+                space.clique_id,
+            )
+        if now:
+            self._told_unbound[space.clique_id] = now
 
     async def _lists_a_member(self, record: Record, clique_id: str) -> bool:
         for max_age in (NODE_MEMO_S, UNBOUND_RECHECK_S):

@@ -31,7 +31,8 @@ back in (``fold``) and asks again until nothing is left. Per clique, in order of
   is deleted (``RetireRecord``, with its resourceVersion as precondition, so an entry added meanwhile makes
   it a ``Conflict``): otherwise a tenant's idle domains, or records a stolen node agent token made in every
   clique by moving its Node's label, would keep their channels for good. The domain's next claim in that
-  clique asks for a channel anew;
+  clique asks for a channel anew. So is a channel-less record that stayed unbound as long (records a token
+  made in cliques its node passed through hold no channel, but would stay while their domain lives);
 * a record that is being deleted keeps our finalizer while ``preparedClaims`` lists a claim; when none is left
   the finalizer goes, the record with it, and then its lock: only then is the channel free again. First
   dropped (``CheckHolders``, each confirmed live by the executor): entries of nodes that no longer exist, and
@@ -203,7 +204,7 @@ class CliqueSpace:
     # (record name, claim UID, node) of unverified entries whose claim is allocated there for its domain.
     verifiable: frozenset[tuple[str, str, str]] = frozenset()
     # Records of live domains whose channel no claim has held for the idle time (the executor decides, verified
-    # entries included): retired.
+    # entries included), or that stayed unbound without a channel as long: retired.
     idle: frozenset[str] = frozenset()
 
     def with_record(self, record: Record) -> CliqueSpace:
@@ -346,9 +347,10 @@ def plan(space: CliqueSpace, count: int) -> Plan:
             actions += [
                 DeleteLock(lk, f"{record} holds channel {record.channel}") for lk in own if lk.channel != record.channel
             ]
-            if record.name in space.idle and not record.terminating:
-                actions.append(RetireRecord(record))
-                continue
+        if record.name in space.idle and not record.terminating:
+            actions.append(RetireRecord(record))
+            continue
+        if record.channel is not None:
             if not record.terminating and not any(lk.channel == record.channel for lk in space.locks):
                 # Its lock was deleted (by hand): take it again, so no other record can get the channel.
                 actions.append(CreateLock(record, record.channel))

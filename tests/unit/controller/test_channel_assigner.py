@@ -4,13 +4,17 @@ themselves: test_channels.py; the whole protocol on a real apiserver: tests/clus
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from computedomain.api.constants import COMPUTE_DOMAIN_FINALIZER, DRIVER_NAME, GPU_CLIQUE_NODE_LABEL
-from computedomain.controller.channel_assigner import ChannelAssigner
+from computedomain.controller.channel_assigner import AWAY_RECHECK_S, ChannelAssigner
 from computedomain.controller.channels import CliqueSpace, Lock, Record, lock_name
 from computedomain.kube.client import ObjectList
+from computedomain.kube.converge import RequeueAfter
 from tests.unit.controller.helpers import settings
 
 C = "6f1c2a52-0d4e-4b5e-9a77-5c3e0c1d2f40.1"
@@ -161,3 +165,49 @@ async def test_a_deleted_domains_record_drops_a_verified_entry_that_holds_nothin
         await ChannelAssigner(writer, settings(IMEX_ISOLATION="domain")).reconcile(C)  # type: ignore[arg-type]
         lists = [p["preparedClaims"] for p in api.patched if "preparedClaims" in p]
         assert (lists[:1] == [[]]) == dropped, (claims, api.patched)
+
+
+async def test_a_claim_list_that_still_showed_the_claim_does_not_keep_the_entry_for_good() -> None:
+    """The list that first answered "the claim exists" must not answer so for ever: once the claim is gone, a
+    list no older than ``AWAY_RECHECK_S`` tells, and the clique is looked at again within that time (a claim's
+    deletion wakes nothing there). Before, the first list kept the channel until a restart."""
+    api = Moved([allocated_claim("claim-1", "n1", D)])
+    writer = Writer(api)
+    writer.caches = VerifiedCaches()
+    assigner = ChannelAssigner(writer, settings(IMEX_ISOLATION="domain"))  # type: ignore[arg-type]
+    first = await assigner.reconcile(C)
+    assert not api.deleted and isinstance(first, RequeueAfter) and first.seconds <= AWAY_RECHECK_S
+    api.claims = []
+    await assigner.reconcile(C)
+    assert not api.deleted, "a list younger than AWAY_RECHECK_S still answers"
+    assert assigner._claims is not None
+    assigner._claims = (assigner._claims[0], assigner._claims[1] - AWAY_RECHECK_S - 1)  # that list grew old
+    await assigner.reconcile(C)
+    assert [d["uid"] for d in api.deleted] == ["rec-1"]
+
+
+async def test_a_channel_less_record_no_node_of_its_clique_lists_is_deleted_after_the_idle_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Records a stolen token makes under a live domain's name in cliques its node passes through get no
+    channel, but stayed for as long as the domain lived: now they go after ``IMEX_CHANNEL_IDLE_RELEASE``, and
+    each is named at INFO once, not on every pass."""
+
+    class Unbound(Caches):
+        def clique_space(self, clique_id: str) -> CliqueSpace:
+            return CliqueSpace(clique_id, (replace(RECORD, channel=None),), (), frozenset({D}))
+
+    for idle, deleted in (("1ns", True), ("300s", False)):
+        api = Moved([])
+        writer = Writer(api)
+        writer.caches = Unbound()
+        assigner = ChannelAssigner(writer, settings(IMEX_ISOLATION="domain", IMEX_CHANNEL_IDLE_RELEASE=idle))  # type: ignore[arg-type]
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="computedomain.controller.channel_assigner"):
+            for _ in range(3):
+                await assigner.reconcile(C)
+        assert bool(api.deleted) == deleted, idle
+        if deleted:
+            assert api.deleted[0]["uid"] == "rec-1" and api.deleted[0]["resource_version"] == "7"
+        told = [r for r in caplog.records if r.levelno == logging.INFO and "no IMEX channel for" in r.getMessage()]
+        assert len(told) == 1, [r.getMessage() for r in told]
