@@ -19,7 +19,7 @@ is left, as the domain reconcile does. The writes, and what makes each safe:
 * retiring a live domain's record whose channel went unused (``IMEX_CHANNEL_IDLE_RELEASE`` since this process
   first saw it without a verified entry, or at once when its entries are all of nodes no longer labelled
   with its clique, and none of its unverified entries allocated there by a live list of the claims), or
-  that stayed unbound without a channel for as long: a DELETE with its UID and resourceVersion as
+  that stayed unbound without a channel for as long, listing no claim allocated there: a DELETE with its UID and resourceVersion as
   preconditions, so an entry a node agent added in between makes it a ``Conflict`` (planned again on the
   fresh state);
 * dropping verified entries that hold nothing (``_vacated``: of a node not labelled with the record's clique,
@@ -290,7 +290,7 @@ class ChannelAssigner:
 
     async def _idle(self, space: CliqueSpace) -> tuple[frozenset[str], float | None]:
         """The live domains' records whose channel went unused for ``idle_release`` (module docstring), or that
-        stayed unbound without a channel that long, and in how many seconds the next one may be (None: none is
+        stayed unbound without a channel that long listing no claim allocated there, and in how many seconds the next one may be (None: none is
         timed)."""
         if not self.idle_release:
             return frozenset(), None
@@ -304,12 +304,16 @@ class ChannelAssigner:
                 continue
             if record.channel is None:
                 # A record no node of the clique lists (a stolen token asking in made-up cliques) holds no
-                # channel, but would stay for as long as its domain lives.
-                if record.name in space.unbound:
+                # channel, but would stay for as long as its domain lives. One that lists a claim allocated
+                # there (a node whose label is missing for a while) stays: deleting it would leave that claim
+                # in a record being deleted, and the domain's pods in the clique refused until it goes.
+                if record.name in space.unbound and not record.verified:
                     key = (record.uid, True)
-                    left = (since.setdefault(key, before.get(key, now))) + self.idle_release - now
+                    left = since.setdefault(key, before.get(key, now)) + self.idle_release - now
                     if left > 0:
                         later.append(left)
+                    elif len(await self._unfounded(record)) < len(record.unverified):
+                        later.append(CLAIM_LIST_S)  # an entry's claim may be allocated there, or no list yet
                     else:
                         idle.add(record.name)
                 continue
@@ -462,7 +466,7 @@ class ChannelAssigner:
 
     async def _any_away(self, space: CliqueSpace) -> bool:
         for record in space.records:
-            if record.channel is not None and await self._away(record):
+            if await self._away(record):
                 return True
         return False
 

@@ -31,8 +31,9 @@ back in (``fold``) and asks again until nothing is left. Per clique, in order of
   is deleted (``RetireRecord``, with its resourceVersion as precondition, so an entry added meanwhile makes
   it a ``Conflict``): otherwise a tenant's idle domains, or records a stolen node agent token made in every
   clique by moving its Node's label, would keep their channels for good. The domain's next claim in that
-  clique asks for a channel anew. So is a channel-less record that stayed unbound as long (records a token
-  made in cliques its node passed through hold no channel, but would stay while their domain lives);
+  clique asks for a channel anew. So is a channel-less record that stayed unbound as long listing no claim
+  allocated there (records a token made in cliques its node passed through hold no channel, but would stay
+  while their domain lives);
 * a record that is being deleted keeps our finalizer while ``preparedClaims`` lists a claim; when none is left
   the finalizer goes, the record with it, and then its lock: only then is the channel free again. First
   dropped (``CheckHolders``, each confirmed live by the executor): entries of nodes that no longer exist, and
