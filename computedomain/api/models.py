@@ -33,6 +33,12 @@ from computedomain.api.types import NodeName as NodeName
 from computedomain.api.types import ReadyStatus as ReadyStatus
 from computedomain.api.types import clique_name as clique_name
 
+#: a claim's UID (a UUID, 36 characters) with room; a Node's name (a DNS subdomain)
+MAX_CLAIM_UID: Final = 64
+MAX_NODE_NAME: Final = 253
+#: entries of one channel record: with the bounds above and their managedFields, well under etcd's 1.5 MiB
+MAX_PREPARED_CLAIMS: Final = 1024
+
 
 def _listmap(*keys: str) -> dict[str, Any]:
     return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": list(keys)}
@@ -177,8 +183,18 @@ class ComputeDomainDaemonInfo(_ApiModel):
 
 
 class PreparedClaim(_ApiModel):
-    claim_uid: str = Field(alias="claimUID", description="UID of the ResourceClaim prepared with the channel.")
-    node_name: str = Field(alias="nodeName", description="Node whose node agent prepared it.")
+    # The bounds are the CRD's (a record stays far below what etcd stores, whoever writes it), not checked in
+    # decoding: a record stored before them must still be read, and cleaned.
+    claim_uid: str = Field(
+        alias="claimUID",
+        description="UID of the ResourceClaim prepared with the channel.",
+        json_schema_extra={"maxLength": MAX_CLAIM_UID},
+    )
+    node_name: str = Field(
+        alias="nodeName",
+        description="Node whose node agent prepared it.",
+        json_schema_extra={"maxLength": MAX_NODE_NAME},
+    )
     verified: bool | None = Field(
         None,
         description="Set by the controller once it saw the claim allocated on that node for this record's "
@@ -215,7 +231,7 @@ class ComputeDomainClique(_ApiModel):
         description="hostManaged with channel isolation: the claims prepared with the channel, on any node, "
         "one entry per claim and node (each node agent trusts only its own node's entries); "
         "the channel stays reserved until none is left.",
-        json_schema_extra=_listmap("claimUID", "nodeName"),
+        json_schema_extra={**_listmap("claimUID", "nodeName"), "maxItems": MAX_PREPARED_CLAIMS},
     )
 
     @property

@@ -177,7 +177,9 @@ class ChannelAssigner:
     async def _record(self, record: Record, channel: int) -> Record | Gone:
         patch = {"metadata": {"uid": record.uid}, "channel": channel}
         try:
-            raw = await self.client.merge_patch(COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace)
+            raw = await self.client.merge_patch(
+                COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace, drop_managed_fields=True
+            )
         except NotFound:
             return Gone()
         except Invalid:
@@ -210,7 +212,9 @@ class ChannelAssigner:
         rest = [f for f in record.finalizers if f != COMPUTE_DOMAIN_FINALIZER]
         patch: dict[str, Any] = {"metadata": {"resourceVersion": record.resource_version, "finalizers": rest or None}}
         try:
-            raw = await self.client.merge_patch(COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace)
+            raw = await self.client.merge_patch(
+                COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace, drop_managed_fields=True
+            )
         except NotFound:
             return Gone()
         log.info("released IMEX channel channel=%s clique=%s record=%s", record.channel, record.clique_id, record.name)
@@ -265,7 +269,9 @@ class ChannelAssigner:
                     {"op": "add", "path": f"/preparedClaims/{index}/verified", "value": True},
                 ]
         try:
-            raw = await self.client.json_patch(COMPUTE_DOMAIN_CLIQUES, record.name, ops, namespace=record.namespace)
+            raw = await self.client.json_patch(
+                COMPUTE_DOMAIN_CLIQUES, record.name, ops, namespace=record.namespace, drop_managed_fields=True
+            )
         except NotFound:
             return Gone()
         except Invalid:
@@ -418,7 +424,9 @@ class ChannelAssigner:
         ]
         patch = {"metadata": {"resourceVersion": record.resource_version}, "preparedClaims": kept}
         try:
-            raw = await self.client.merge_patch(COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace)
+            raw = await self.client.merge_patch(
+                COMPUTE_DOMAIN_CLIQUES, record.name, patch, namespace=record.namespace, drop_managed_fields=True
+            )
         except NotFound:
             return Gone()
         if gone:

@@ -42,7 +42,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias
 from urllib.parse import quote, urlencode
 
 import aiohttp
@@ -102,6 +102,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Raw: TypeAlias = dict[str, Any]
+
+#: Resets an object's ``metadata.managedFields`` to what the write itself makes them. Anyone who may patch an
+#: object may also store any managedFields in it, up to what etcd takes, and so make every later write of it
+#: fail; a write that drops them is small whatever was stored. For objects several writers of unequal trust
+#: share (the channel records), whose field ownership nobody reads.
+_DROP_MANAGED_FIELDS: Final = {"op": "add", "path": "/metadata/managedFields", "value": [{}]}
+
 
 # --------------------------------------------------------------------------------------------------------
 # Resource registry
@@ -750,8 +757,12 @@ class KubeClient:
         *,
         namespace: str | None = None,
         subresource: str | None = None,
+        drop_managed_fields: bool = False,
     ) -> Raw:
-        """JSON merge patch (RFC 7386); a ``metadata.resourceVersion`` in the patch makes it conditional."""
+        """JSON merge patch (RFC 7386); a ``metadata.resourceVersion`` in the patch makes it conditional.
+        ``drop_managed_fields``: see ``_DROP_MANAGED_FIELDS``."""
+        if drop_managed_fields:
+            patch = {**patch, "metadata": {**(patch.get("metadata") or {}), "managedFields": [{}]}}
         return await self._call(
             "PATCH",
             resource,
@@ -772,9 +783,12 @@ class KubeClient:
         *,
         namespace: str | None = None,
         subresource: str | None = None,
+        drop_managed_fields: bool = False,
     ) -> Raw:
         """JSON patch (RFC 6902). A leading ``{"op": "test", ...}`` makes it conditional (a failed test is a
-        422 ``Invalid``, not a 409)."""
+        422 ``Invalid``, not a 409). ``drop_managed_fields``: see ``_DROP_MANAGED_FIELDS``."""
+        if drop_managed_fields:
+            ops = [*ops, _DROP_MANAGED_FIELDS]
         return await self._call(
             "PATCH",
             resource,

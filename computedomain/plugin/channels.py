@@ -303,10 +303,14 @@ class ChannelRecords:
                 "metadata": {"resourceVersion": record.metadata.resource_version},
                 "preparedClaims": [_entry(claim_uid, self.node_name)],
             }
-            raw = await self._client.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, patch, namespace=self.namespace)
+            raw = await self._client.merge_patch(
+                COMPUTE_DOMAIN_CLIQUES, name, patch, namespace=self.namespace, drop_managed_fields=True
+            )
         else:
             op = {"op": "add", "path": "/preparedClaims/-", "value": _entry(claim_uid, self.node_name)}
-            raw = await self._client.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [op], namespace=self.namespace)
+            raw = await self._client.json_patch(
+                COMPUTE_DOMAIN_CLIQUES, name, [op], namespace=self.namespace, drop_managed_fields=True
+            )
         return ComputeDomainClique.model_validate(raw)
 
     # -- hold
@@ -376,7 +380,9 @@ class ChannelRecords:
                 {"op": "remove", "path": f"/preparedClaims/{index}"},
             ]
             try:
-                await self._client.json_patch(COMPUTE_DOMAIN_CLIQUES, name, ops, namespace=self.namespace)
+                await self._client.json_patch(
+                    COMPUTE_DOMAIN_CLIQUES, name, ops, namespace=self.namespace, drop_managed_fields=True
+                )
             except NotFound:
                 return False
             except Invalid:

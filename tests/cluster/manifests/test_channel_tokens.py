@@ -340,6 +340,45 @@ async def test_a_node_lists_one_new_claim_per_write_and_at_most_128_in_a_record(
         bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false", check=False)
 
 
+async def test_an_entry_is_bounded_and_managed_fields_a_token_stored_go_with_the_next_write(bed: Bed) -> None:
+    """One write of a stolen token could grow a live domain's record to what etcd stores (an entry's claim UID
+    of a million characters, or ``metadata.managedFields`` as large, which the apiserver stores as sent), so
+    that every later write of it failed. The CRD bounds an entry; every write of a record by a node agent or
+    the controller drops the managedFields stored before it."""
+    victim_node, attacker_node = bed.nodes
+    attacker = bed.agents[attacker_node]
+    d = str(uuid.uuid4())
+    name = f"{d}.{CLIQUE}"
+    await attacker.create(COMPUTE_DOMAIN_CLIQUES, _record(bed, name, d, [("c0", attacker_node)]), namespace=bed.ns)
+    try:
+        long = {"op": "add", "path": "/preparedClaims/-", "value": {"claimUID": "u" * 65, "nodeName": attacker_node}}
+        why = await _refused(attacker.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [long], namespace=bed.ns))
+        assert "claimUID" in why and "64" in why, why
+        fields = {"f:preparedClaims": {f"f:x{i:06d}": {} for i in range(20_000)}}
+        entry = {"manager": "attacker", "operation": "Update", "apiVersion": GROUP_VERSION,
+                 "fieldsType": "FieldsV1", "fieldsV1": fields, "time": "2026-12-07T00:00:00Z"}  # fmt: skip
+        bloat = {"metadata": {"managedFields": [entry]}}
+        await attacker.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, bloat, namespace=bed.ns)
+
+        async def managed_bytes() -> int:
+            raw = await bed.agents[victim_node].get(COMPUTE_DOMAIN_CLIQUES, name, namespace=bed.ns)
+            return len(json.dumps(raw["metadata"].get("managedFields") or []))
+
+        assert await managed_bytes() > 200_000, "the apiserver stored them"
+        victim = ChannelRecords(bed.agents[victim_node], node_name=victim_node, namespace=bed.ns)
+        domain = DomainInfo(uid=d, name="victim", namespace=bed.workload_ns)
+        with pytest.raises(Exception, match="IMEX channel"):  # no controller here: no channel comes
+            await victim.acquire(domain, CLIQUE, str(uuid.uuid4()), channel_count=2048, timeout_s=0.2)
+        assert len(await _entries(bed, name)) == 2
+        assert await managed_bytes() < 4096
+    finally:
+        unpin = '{"metadata":{"finalizers":null}}'
+        bed.cluster.kubectl(
+            "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
+        )
+        bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false", check=False)
+
+
 async def test_a_record_gets_a_channel_only_from_a_node_of_its_clique(bed: Bed) -> None:
     """With the real controller: a record of a clique its listing node is not in waits, the same domain's
     record in the node's clique gets its channel; once the node's label names the clique, the other does too."""
