@@ -54,12 +54,14 @@ from computedomain.kube.clock import Clock, MonotonicClock
 from computedomain.kube.decoding import (
     MAX_EVENT_BYTES,
     MAX_OBJECT_BYTES,
+    Decoded,
     DecodeError,
     Rejected,
     decode,
     decode_items,
     partial,
     rejection,
+    shallow,
     too_large,
 )
 from computedomain.kube.errors import (
@@ -102,6 +104,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Raw: TypeAlias = dict[str, Any]
+
+#: Decoding a larger document holds the event loop for more than about a millisecond (pydantic-core: 0.9 ms
+#: for 256 KiB of list items here), so it is decoded in a worker thread, where the interpreter's switch
+#: interval lets the loop run beside it. So is one the fast path refuses (nested too deep) from
+#: ``INLINE_PRUNE_BYTES`` on: the pure-Python pruner takes about seven times as long per byte.
+INLINE_DECODE_BYTES: Final = 256 * 1024
+INLINE_PRUNE_BYTES: Final = 16 * 1024
+#: Lines of a watch stream read between two turns of the event loop (a stream of blank lines held it).
+LINES_PER_TURN: Final = 256
 
 #: Resets an object's ``metadata.managedFields`` to what the write itself makes them. Anyone who may patch an
 #: object may also store any managedFields in it, up to what etcd takes, and so make every later write of it
@@ -465,7 +476,7 @@ class KubeClient:
             max_bytes=MAX_OBJECT_BYTES,
         )
         try:
-            decoded = decode(data) if data else None
+            decoded = await _decode(data) if data else None
         except DecodeError as exc:
             raise Unreadable(f"{verb} {path}: {exc}").for_request(verb, qualified, namespace) from None
         if decoded is None:
@@ -664,7 +675,7 @@ class KubeClient:
                 page = max(1, (page or UNPAGED_ITEMS) // 2)
                 log.debug("list page over %d bytes: asking for %d items list=%s", MAX_PAGE_BYTES, page, path)
         try:
-            decoded = decode(data)
+            decoded = await _decode(data)
             items, rejected = decode_items(decoded, ("items",))
         except DecodeError as exc:
             raise Unreadable(f"list {path}: {exc}").for_request("list", resource.qualified, namespace) from None
@@ -924,7 +935,7 @@ class KubeClient:
                 if size > MAX_EVENT_BYTES:
                     yield _oversized_event(line, size)
                 elif line.strip():
-                    yield _watch_event(line)
+                    yield await _watch_event(line)
         except TimeoutError as exc:
             raise Transient(f"watch {path}: silent for {idle:g}s", reason="Timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -1069,9 +1080,13 @@ async def _lines(chunks: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[
     buffered: only its first ``_HEAD`` bytes come back (to name its object), with its full size."""
     buf = bytearray()
     over = 0  # > 0: the current line passed max_bytes; buf keeps its head and this counts all its bytes
+    lines = 0
     async for chunk in chunks:
         start = 0
         while True:
+            lines += 1
+            if lines % LINES_PER_TURN == 0:
+                await asyncio.sleep(0)
             nl = chunk.find(b"\n", start)
             piece = chunk[start:] if nl < 0 else chunk[start:nl]
             if over:
@@ -1091,9 +1106,20 @@ async def _lines(chunks: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[
         yield bytes(buf), over or len(buf)
 
 
-def _watch_event(line: bytes) -> WatchEvent:
+async def _decode(data: bytes) -> Decoded:
+    """``decode``, in a worker thread where it would hold the event loop (``INLINE_DECODE_BYTES``)."""
+    if len(data) <= INLINE_DECODE_BYTES:
+        fast = shallow(data)
+        if fast is not None:
+            return fast
+        if len(data) <= INLINE_PRUNE_BYTES:
+            return decode(data)
+    return await asyncio.to_thread(decode, data)
+
+
+async def _watch_event(line: bytes) -> WatchEvent:
     try:
-        decoded = decode(line)
+        decoded = await _decode(line)
     except DecodeError as exc:
         raise Transient(f"watch: undecodable event {line[:200]!r}") from exc
     event = decoded.value if isinstance(decoded.value, dict) else {}

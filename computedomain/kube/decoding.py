@@ -55,6 +55,7 @@ __all__ = [
     "field_path",
     "partial",
     "rejection",
+    "shallow",
     "too_large",
     "unread",
 ]
@@ -136,16 +137,25 @@ def field_path(path: Sequence[str | int]) -> str:
 def decode(data: bytes) -> Decoded:
     """Decode one document within ``MAX_DEPTH``; values nested deeper come back as ``null`` with a cut each.
     ``DecodeError`` when ``data`` is not JSON."""
-    try:
-        return Decoded(from_json(data))
-    except ValueError as exc:
-        if "recursion limit exceeded" not in str(exc):
-            raise DecodeError(f"not JSON: {exc}") from None
+    fast = shallow(data)
+    if fast is not None:
+        return fast
     pruned, cuts = prune(data)
     try:
         return Decoded(from_json(pruned), tuple(cuts))
     except ValueError as exc:  # the fast path's refusal was not about depth after all
         raise DecodeError(f"not JSON: {exc}") from None
+
+
+def shallow(data: bytes) -> Decoded | None:
+    """``decode``'s fast path: None when the document is nested too deep for it (``decode`` then prunes it,
+    at Python speed)."""
+    try:
+        return Decoded(from_json(data))
+    except ValueError as exc:
+        if "recursion limit exceeded" not in str(exc):
+            raise DecodeError(f"not JSON: {exc}") from None
+    return None
 
 
 #: Where in an object a cut is no rejection (module docstring).

@@ -220,6 +220,14 @@ def _causes(details: Mapping[str, Any]) -> tuple[Cause, ...]:
     return tuple(out)
 
 
+def _int32(value: Any) -> int | None:
+    """An int32 field of a Status as the apiserver types it; None for anything else (a hostile server's 400
+    digits, a string): never an exception outside this taxonomy."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+        return None
+    return value
+
+
 def error_from_status(
     status: Mapping[str, Any],
     *,
@@ -227,13 +235,13 @@ def error_from_status(
     retry_after: float | None = None,
 ) -> KubeError:
     """Map a decoded ``Status`` object (an error response or a watch ``ERROR`` event) to our taxonomy."""
-    code = http_status if http_status is not None else int(status.get("code") or 0)
+    code = http_status if http_status is not None else _int32(status.get("code")) or 0
     reason = str(status.get("reason") or "")
     message = str(status.get("message") or "") or f"HTTP {code} {reason}".strip()
     details = status.get("details")
     details = details if isinstance(details, Mapping) else {}
-    if retry_after is None and details.get("retryAfterSeconds"):
-        retry_after = float(details["retryAfterSeconds"])
+    if retry_after is None:
+        retry_after = _int32(details.get("retryAfterSeconds"))
     kwargs: dict[str, Any] = {
         "status": code,
         "reason": reason,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -240,3 +241,68 @@ async def test_an_object_a_get_reads_is_read_in_a_watch_too() -> None:
         finally:
             done.set()
             await client.close()
+
+
+async def test_documents_that_would_hold_the_loop_are_decoded_in_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 1.6 MB watch event nested too deep took 214 ms of the pure-Python pruner on the event loop, in the
+    controller and in every node agent; now such a document, and any over ``INLINE_DECODE_BYTES``, is decoded
+    beside the loop. Small ones stay inline (a thread hop would cost more than they do)."""
+    from computedomain.kube import client as client_module
+
+    threads: list[bool] = []
+    real = client_module.decode
+
+    def spy(data: bytes) -> Any:
+        threads.append(threading.current_thread() is not threading.main_thread())
+        return real(data)
+
+    monkeypatch.setattr(client_module, "decode", spy)
+
+    def deep(levels: int, pad: int) -> bytes:
+        return b'{"p":"' + b"x" * pad + b'","v":' + b"[" * levels + b"]" * levels + b"}"
+
+    cases = {
+        "shallow, small": (json.dumps({"a": "x" * 1000}).encode(), None),
+        "shallow, over the inline bound": (
+            json.dumps({"a": "x" * (client_module.INLINE_DECODE_BYTES + 1)}).encode(),
+            True,
+        ),
+        "deep, small": (deep(MAX_DEPTH + 10, 100), False),
+        "deep, over the pruner's inline bound": (deep(MAX_DEPTH + 10, client_module.INLINE_PRUNE_BYTES), True),
+    }
+    for what, (data, in_thread) in cases.items():
+        threads.clear()
+        decoded = await client_module._decode(data)
+        assert isinstance(decoded.value, dict), what
+        assert threads == ([] if in_thread is None else [in_thread]), what
+
+
+async def test_a_stream_of_blank_lines_lets_the_loop_turn() -> None:
+    """A stream in the middle sent 4 MiB of newlines in one chunk: the watch read them without letting the
+    event loop turn (525 ms). Now it turns every ``LINES_PER_TURN`` lines."""
+    from computedomain.kube import client as client_module
+
+    blank = 20 * client_module.LINES_PER_TURN
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"\n" * blank + b'{"a":1}\n'
+
+    turns = 0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    start = turns
+    lines = [line async for line, _ in client_module._lines(chunks(), 1 << 20) if line.strip()]
+    done = True
+    await task
+    assert lines == [b'{"a":1}']
+    assert turns - start >= blank // client_module.LINES_PER_TURN - 1, turns - start

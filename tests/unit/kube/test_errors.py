@@ -160,3 +160,16 @@ def test_the_first_request_context_wins() -> None:
     err = errors.NotFound("x").for_request("get", "pods", "a")
     err.for_request("list", "nodes", None)
     assert (err.verb, err.resource, err.namespace) == ("get", "pods", "a")
+
+
+def test_a_status_with_fields_no_apiserver_sends_stays_in_the_taxonomy() -> None:
+    """The apiserver types ``code`` and ``retryAfterSeconds`` as int32; a hostile server (or one in the middle)
+    sent 400 digits or a string, and the caller got an ``OverflowError`` or a ``ValueError``, which ended the
+    leader election that catches only ``KubeError``."""
+    huge = int("9" * 400)
+    err = error_from_response(500, _status(500, "InternalError", "x", retryAfterSeconds=huge))
+    assert isinstance(err, errors.KubeError) and err.retry_after is None
+    assert error_from_response(500, _status(500, "InternalError", "x", retryAfterSeconds="7")).retry_after is None
+    teapot = error_from_status({"kind": "Status", "code": "teapot", "reason": "Expired"})
+    assert isinstance(teapot, errors.KubeError)
+    assert isinstance(error_from_status({"kind": "Status", "code": huge}), errors.KubeError)
