@@ -210,6 +210,13 @@ class ControllerProcess:
             out[labels["action"]] += int(value)
         return out
 
+    def watch_events(self) -> Counter[str]:
+        """Watch events its informers applied, by resource and type, from the controller's metrics."""
+        out: Counter[str] = Counter()
+        for labels, value in self._samples("computedomain_informer_events_total"):
+            out[f"{labels['informer'].split('/')[0]} {labels['type']}"] += int(value)
+        return out
+
     def rss_mib(self) -> float:
         return rss_mib(self.proc.pid)
 
@@ -510,6 +517,7 @@ class ScaleRound:
     rss: float
     idle_cpu: float  # fraction of one core over the idle window
     idle_requests: Counter[str]  # by verb and resource, Events and watches included
+    idle_events: Counter[str]  # watch events applied in the idle window, by resource and type
     trail: float  # the last domain Ready -> every domain's Ready Event written
     trail_requests: Counter[str]  # the requests in that time
     delta: Counter[str]  # requests of whole lifecycles, by verb and resource
@@ -549,14 +557,15 @@ async def scale_round(client: KubeClient, ctl: ControllerProcess, cd_ns: str, co
         await wait_for(events_written, 60, "every domain's Ready Event written", interval=0.02)
     trail = time.monotonic() - max(ready_at.values())
     # The idle window: from the moment every domain was Ready and told so, whatever the controller still does.
-    start, cpu0 = ctl.requests(events=True), ctl.cpu_seconds()
+    start, watched, cpu0 = ctl.requests(events=True), ctl.watch_events(), ctl.cpu_seconds()
     await asyncio.sleep(idle)
     idle_cpu = (ctl.cpu_seconds() - cpu0) / idle
     idle_requests = ctl.requests(events=True) - start
+    idle_events = ctl.watch_events() - watched
     rss = ctl.rss_mib()
     await delete_all(client, cd_ns)
     await asyncio.sleep(1.0)
-    return ScaleRound(converged, rss, idle_cpu, idle_requests, trail, start - ready,
+    return ScaleRound(converged, rss, idle_cpu, idle_requests, idle_events, trail, start - ready,
                       ctl.requests(events=True) - before, ctl.events() - events_before)  # fmt: skip
 
 
@@ -712,6 +721,10 @@ def scale_section(section: Section, all_limits: list[Limits], sizes: Sizes) -> d
                              unit="requests"),
         "idle-cpu": fig("scale-idle-cpu", f"controller CPU in those {idle:g} s", Target("max", 1.0, "~0 (no polling)"),
                         unit="%"),
+        # What the controller is told in that time: other controllers' writes (the DaemonSet controller still
+        # writing the status of a thousand new DaemonSets on two thousand nodes) are events it must read.
+        "idle-events": fig("scale-idle-events", f"watch events the controller applied in those {idle:g} s",
+                           unit="events"),
         "requests": fig("scale-requests", "API requests per domain lifecycle (create -> Ready -> delete), "
                         "Events apart", unit="requests"),
         "writes": fig("scale-writes", "API writes per domain lifecycle (create -> Ready -> delete)", unit="requests"),
@@ -723,6 +736,7 @@ async def scale(bench: Bench, client: KubeClient, ctl: ControllerProcess, lim: L
                 f: dict[str, Figure]) -> None:  # fmt: skip
     details: Counter[str] = Counter()
     idle_details: Counter[str] = Counter()
+    idle_watched: Counter[str] = Counter()
     trail_details: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     for index in range(sizes.scale_rounds):
@@ -735,17 +749,21 @@ async def scale(bench: Bench, client: KubeClient, ctl: ControllerProcess, lim: L
         f["trail-requests"].round([sum(result.trail_requests.values())])
         f["idle-requests"].round([sum(result.idle_requests.values())])
         f["idle-cpu"].round([result.idle_cpu * 100])
+        f["idle-events"].round([sum(result.idle_events.values())])
         f["requests"].round([requests])
         f["writes"].round([writes])
         f["events"].round([events])
         details.update(result.delta)
         idle_details.update(result.idle_requests)
+        idle_watched.update(result.idle_events)
         trail_details.update(result.trail_requests)
         dropped.update({k: v for k, v in result.events.items() if k in ("dropped", "failed")})
     rounds = sizes.scale_rounds
     f["requests"].note = "by verb and resource, mean over rounds: " + ", ".join(
         f"{k}={v / rounds / sizes.scale:.2f}" for k, v in sorted(details.items()) if not k.startswith("watch")
     )
+    f["idle-events"].note = ("by resource and type, all rounds: " + ", ".join(
+        f"{k}={v}" for k, v in sorted(idle_watched.items())) if idle_watched else "none")  # fmt: skip
     for key, seen in (("idle-requests", idle_details), ("trail-requests", trail_details)):
         f[key].note = ("by verb and resource, all rounds: " + ", ".join(
             f"{k}={v}" for k, v in sorted(seen.items())) if seen else "none")  # fmt: skip
