@@ -17,10 +17,17 @@ Every port of ours is reachable from any pod unless a NetworkPolicy says otherwi
   kernel: the connection's write buffer is zero, so an answer smaller than asyncio's usual 64 KiB buffer
   cannot sit unsent past the deadline, nor hold a closing connection open); a client that does not read it
   loses the connection;
-- GET and HEAD only, and no body: a request that announces one is answered 413 and its connection closed
-  unread; request and header lines of at most 4 KiB, at most 32 headers (aiohttp's C parser decodes the
-  largest such head in 0.1-0.2 ms; nothing else of a request is decoded but its path); a head that does not
-  parse is answered 400 and not logged as our error, nor is a client that resets before its answer;
+- GET and HEAD only, and no body: aiohttp's parser is handed at most `read_size` bytes per turn of the
+  loop, and nothing after a head that announces a body (any Transfer-Encoding, a Content-Length other than
+  0; `_Gate` finds it in the bytes): that head is answered 413 and its connection closed, so no byte of a
+  body is decoded (llhttp turns each chunk of a chunked body into a Python callback: a GET of 200 KB of
+  1-byte chunks held the loop 5 ms per read); request and header lines of at most 4 KiB, at most 32 headers
+  (aiohttp's C parser decodes the largest such head in 0.1-0.2 ms; nothing else of a request is decoded but
+  its path); a head that does not parse is answered 400 and not logged as our error, nor is a client that
+  resets before its answer;
+- at most `requests_per_connection` answers on one connection, the last with `Connection: close`: the
+  request deadline restarts at every answer, so one connection pipelining `/healthz` kept a core busy for
+  as long as it liked; now a client must open new connections, which the next bounds limit;
 - at most `connections` open at once and `connections_per_peer` from one address (`computedomain.slots`): a
   connection beyond either is reset as it is accepted, unless all are taken and it comes from an address
   holding fewer than the busiest one, whose oldest connection is reset instead
@@ -29,7 +36,8 @@ Every port of ours is reachable from any pod unless a NetworkPolicy says otherwi
 - the metrics are rendered at most once per `metrics_every_s` (`Exposition`): a flood of scrapes costs one
   render per interval.
 
-Concurrency: one event loop; aiohttp runs each connection as a task. Answers are computed on the loop:
+Concurrency: one event loop; aiohttp runs each connection as a task, fed by the connection's `_Gate` (the
+transport's protocol throughout). Answers are computed on the loop:
 the readiness functions and scrape-time collectors read in-memory state only.
 
 Used by the controller (with `/readyz`: ready once caches synced, with the leadership state), the node agent
@@ -42,6 +50,7 @@ import asyncio
 import inspect
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -95,6 +104,8 @@ class Limits:
     metrics_every_s: float = 1.0
     max_line_size: int = 4096
     max_headers: int = 32
+    read_size: int = 8192  # what the parser is handed per turn of the loop, at most
+    requests_per_connection: int = 100
 
 
 class Exposition:
@@ -163,6 +174,7 @@ class _BoundedServer(web.Server):
             access_log=None,
             logger=_server_log,
         )
+        self.limits = limits
         self.slots: Slots[web.RequestHandler] = Slots(limits.connections, limits.connections_per_peer)
 
     def __call__(self) -> _Gate:  # type: ignore[override]
@@ -191,11 +203,39 @@ class _BoundedServer(web.Server):
         return len(self.slots)
 
 
-class _Gate(asyncio.Protocol):
-    """The first protocol of every accepted connection: hands it to aiohttp, or resets it."""
+#: a whole `Content-Length: 0` line (lowered), from the line feed before it: the one mention that announces no body
+_ZERO_LENGTH: Final = re.compile(rb"\ncontent-length[ \t]*:[ \t]*0+[ \t]*\r?(?=\n)")
+#: the end of a head, from the line feed before it: a line of nothing but spaces, tabs and carriage returns
+_HEAD_END: Final = re.compile(rb"\n[ \t\r]*\n")
+#: what a line the parser takes may hold beyond `max_line_size` (its bound is on a path, or a header's name
+#: and value): the method, the version, the colon, a space, the CR
+_LINE_SLACK: Final = 32
+
+
+class _Gate(asyncio.BufferedProtocol):
+    """The protocol of every accepted connection: resets it, or stays in front of aiohttp's and hands its
+    parser each read of at most `read_size` bytes, up to the end of the first head that announces a body.
+
+    Such a head is found in the bytes, before the parser has them: a line of it mentions transfer-encoding
+    or content-length anywhere (lowered), other than a whole `Content-Length: 0` line, or is longer than
+    any line the parser takes whole (so cannot be examined whole). The parser (llhttp, strict for requests)
+    ends a line only at CRLF and a head only at an empty line, so each header it reads begins after a line
+    feed, and the first line of nothing but whitespace after that header is at or before the end of its
+    head: cutting there never hands it a byte of a body. The cut head is answered (413 for a body, with
+    `Connection: close`); what follows it is not read. A mention that is no such header (in a path, a value)
+    is answered as usual, and the connection then idles out its request deadline. Each read costs a few
+    scans in C of at most `read_size` bytes and the line in progress, whatever they hold (65 us for 8 KiB
+    of `Content-Length: 0` lines, the costliest; 10 us for 8 KiB of pipelined GETs)."""
 
     def __init__(self, server: _BoundedServer) -> None:
         self._server = server
+        self._handler: web.RequestHandler | None = None
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray(server.limits.read_size)
+        self._line = b""  # the line in progress: handed on already, examined once its line feed comes
+        self._body = False  # a head announcing a body began: the parser gets nothing past its end
+        self._cut = False  # that end was handed on
+        self._answers = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -207,8 +247,70 @@ class _Gate(asyncio.Protocol):
         # client does not read meets the answer deadline however small it is, and a close never waits on a
         # buffer the client will not drain (asyncio's `close()` flushes first, with no deadline).
         transport.set_write_buffer_limits(high=0)
-        transport.set_protocol(handler)
+        self._handler, self._transport = handler, transport
         handler.connection_made(transport)
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self._buffer  # one read per turn of the loop fills at most this much
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._handler is None or self._cut:
+            return
+        data = bytes(self._buffer[:nbytes])
+        end = self._end_of_body_head(data)
+        if end is not None:
+            data, self._cut = data[:end], True
+            assert self._transport is not None
+            self._transport.pause_reading()
+        self._handler.data_received(data)
+
+    def _end_of_body_head(self, data: bytes) -> int | None:
+        """Where in `data` the head that announces a body ends; None: not in `data`, or no such head yet."""
+        window = b"\n" + self._line + data  # from the line feed before the line in progress
+        lines_end = window.rfind(b"\n") + 1
+        line = window[lines_end:]
+        start = 0
+        if not self._body:
+            start = _body_header(window[:lines_end].lower())
+            if start < 0 and len(line) > self._server.limits.max_line_size + _LINE_SLACK:
+                start = lines_end - 1
+            self._body = start >= 0
+        if not self._body:
+            self._line = line
+            return None
+        self._line = b"x" if line.strip(b" \t\r") else b""  # all the head's end needs of it: is it blank
+        end = _HEAD_END.search(window, start)
+        return None if end is None else end.end() - (len(window) - len(data))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._handler is not None:
+            self._handler.connection_lost(exc)
+
+    def eof_received(self) -> None:
+        if self._handler is not None:
+            self._handler.eof_received()
+
+    def pause_writing(self) -> None:
+        if self._handler is not None:
+            self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._handler is not None:
+            self._handler.resume_writing()
+
+    def answered(self) -> bool:
+        """One more answer on this connection: whether it is its last (`requests_per_connection`)."""
+        self._answers += 1
+        return self._answers >= self._server.limits.requests_per_connection
+
+
+def _body_header(lines: bytes) -> int:
+    """Where in `lines` (whole, lowered, after a line feed) the first mention that may announce a body is, or
+    -1 (see `_Gate`)."""
+    found = [lines.find(b"transfer-encoding")]
+    if b"content-length" in lines and b"content-length" in _ZERO_LENGTH.sub(b"\n", lines):
+        found.append(lines.find(b"content-length"))
+    return min((at for at in found if at >= 0), default=-1)
 
 
 class HttpServer:
@@ -246,6 +348,9 @@ class HttpServer:
         try:
             async with asyncio.timeout(self._limits.answer_deadline_s):
                 response = await self._answer(request)
+                gate = request.transport.get_protocol() if request.transport is not None else None
+                if isinstance(gate, _Gate) and gate.answered():  # the connection's last
+                    response.force_close()
                 await response.prepare(request)
                 await response.write_eof()
                 return response

@@ -191,10 +191,14 @@ class Bounds:
     streams_per_life: int | None = None
     resets_per_life: int = 1024
     #: frames outside a call's headers and message (PING, SETTINGS, WINDOW_UPDATE, PRIORITY, GOAWAY, HEADERS
-    #: again on a stream already open, empty DATA, frame types HTTP/2 does not define) a connection may send
-    #: over its life (None: no bound); h2 answers PINGs and SETTINGS by itself, so a connection that only
-    #: sends those would otherwise hold the loop for as long as it keeps sending
+    #: again on a stream already open, empty DATA, padding aside, DATA on a stream whose request has ended or
+    #: that was reset, a call's DATA beyond `data_frames_per_call`, frame types HTTP/2 does not define) a
+    #: connection may send over its life (None: no bound); h2 answers PINGs and SETTINGS by itself, and DATA on
+    #: a reset stream with a RST_STREAM (giving its flow-control window back), so a connection that only sends
+    #: those would otherwise hold the loop for as long as it keeps sending
     control_frames_per_life: int | None = None
+    #: DATA frames of a call's request not counted as frames outside calls (a grpc client sends a Check in one)
+    data_frames_per_call: int = 8
 
 
 #: the TCP health port, which any pod reaches: a message of a service name, few calls, short deadlines
@@ -228,9 +232,11 @@ KUBELET_BOUNDS: Final = Bounds(
 class _Frames(FrameBuffer):
     """h2's frame buffer with a bound on a header block (h2 joins up to 64 CONTINUATION frames, 1 MiB, and
     hpack decodes the block in pure Python, about 1.5 µs a byte when Huffman-coded) and on what a connection
-    sends over its life (`Bounds.streams_per_life`, `resets_per_life`, `control_frames_per_life`). Empty DATA
-    frames (no data, no padding, not the end of the stream) and frames of types HTTP/2 does not define are
-    passed over, as RFC 9113 asks of the latter (grpclib ended the connection with a traceback on them)."""
+    sends over its life (`Bounds.streams_per_life`, `resets_per_life`, `control_frames_per_life`). A DATA frame
+    is part of a call only while the peer has not ended or reset that call's request, and only for the call's
+    first `data_frames_per_call`; any other is a frame outside calls. Empty DATA frames (no data, padded or not,
+    not the end of the stream) and frames of types HTTP/2 does not define are passed over, as RFC 9113 asks of
+    the latter (grpclib ended the connection with a traceback on them)."""
 
     def __init__(self, bounds: Bounds) -> None:
         super().__init__(server=True)
@@ -238,27 +244,47 @@ class _Frames(FrameBuffer):
         self._streams_left = bounds.streams_per_life
         self._resets_left = bounds.resets_per_life
         self._control_left = bounds.control_frames_per_life
+        self._data_per_call = bounds.data_frames_per_call
+        #: the calls whose request the peer has not ended or reset: the DATA frames each may still send (kept
+        #: only where frames outside calls are bounded; `streams_per_life` bounds it there)
+        self._requests: dict[int, int] = {}
         self._last_stream = 0
 
     def __next__(self) -> Frame:
         while True:
             f = super().__next__()
-            # Empty DATA carries nothing, and grpclib would take it for the end of the message (an error it
-            # logs with a traceback) and queue an entry for each.
+            # Empty DATA carries nothing (its padding neither), and grpclib would take it for the end of the
+            # message (an error it logs with a traceback) and queue an entry for each.
             skip = isinstance(f, ExtensionFrame) or (
-                isinstance(f, DataFrame) and not f.flow_controlled_length and "END_STREAM" not in f.flags
+                isinstance(f, DataFrame) and not f.data and "END_STREAM" not in f.flags
             )
+            outside = skip
             if isinstance(f, HeadersFrame) and f.stream_id > self._last_stream:  # a new call
                 self._last_stream = f.stream_id
                 if self._streams_left is not None:
                     self._streams_left -= 1
                     if self._streams_left < 0:
                         raise ProtocolError("more calls than one connection may open")
+                if self._control_left is not None and "END_STREAM" not in f.flags:
+                    self._requests[f.stream_id] = self._data_per_call
             elif isinstance(f, RstStreamFrame):
+                self._requests.pop(f.stream_id, None)
                 self._resets_left -= 1
                 if self._resets_left < 0:
                     raise ProtocolError("more streams reset than one connection may reset")
-            elif (skip or not isinstance(f, DataFrame)) and self._control_left is not None:
+            elif isinstance(f, DataFrame):
+                # h2 answers DATA on a reset stream with a RST_STREAM, and grpclib gives back the window of DATA
+                # on a call it has answered: neither is bounded by the call's message.
+                left = self._requests.get(f.stream_id, 0)
+                if not skip and left:
+                    self._requests[f.stream_id] = left - 1
+                else:
+                    outside = True
+            else:
+                outside = True
+            if isinstance(f, DataFrame | HeadersFrame) and "END_STREAM" in f.flags:
+                self._requests.pop(f.stream_id, None)
+            if outside and self._control_left is not None:
                 self._control_left -= 1
                 if self._control_left < 0:
                     raise ProtocolError("more frames outside calls than one connection may send")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from computedomain.http import REFUSED, EndpointError, Exposition, Limits, bound_port, parse_endpoint, start_http
 from computedomain.kube.clock import FakeClock
@@ -239,9 +242,9 @@ async def test_small_answers_left_unread_do_not_hold_the_connection() -> None:
     server holds a few bytes it cannot send. asyncio's close() would wait for them forever (the keep-alive
     close has no deadline), so a handful of such clients would hold every connection slot; the answer
     deadline covers every byte, so the connection goes."""
-    runner = await start_http(
-        "127.0.0.1:0", metrics_path="", limits=Limits(request_deadline_s=0.3, answer_deadline_s=0.5)
-    )
+    # However many requests it takes (the per-connection cap would end the connection first).
+    limits = Limits(request_deadline_s=0.3, answer_deadline_s=0.5, requests_per_connection=1_000_000)
+    runner = await start_http("127.0.0.1:0", metrics_path="", limits=limits)
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
@@ -390,3 +393,135 @@ async def test_a_client_that_resets_before_its_answer_costs_no_error_line(caplog
     finally:
         await runner.cleanup()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.fixture
+def handed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every piece of bytes aiohttp's parser is handed, on any connection."""
+    sizes: list[int] = []
+    data_received = web.RequestHandler.data_received
+
+    def counted(self: web.RequestHandler, data: bytes) -> None:
+        sizes.append(len(data))
+        data_received(self, data)
+
+    monkeypatch.setattr(web.RequestHandler, "data_received", counted)
+    return sizes
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One answer off a raw connection: its head and its body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = re.search(rb"\r\nContent-Length: (\d+)\r\n", head)
+    assert length is not None, head
+    return head, await asyncio.wait_for(reader.readexactly(int(length[1])), 5)
+
+
+async def _rest(reader: asyncio.StreamReader) -> bytes:
+    """What the server sends until it closes or resets the connection."""
+    received = b""
+    try:
+        while data := await asyncio.wait_for(reader.read(65536), 5):
+            received += data
+    except ConnectionError:
+        pass
+    return received
+
+
+@pytest.mark.parametrize(
+    ("split", "chunks"),
+    [
+        pytest.param(False, 3_000, id="one-write"),
+        pytest.param(True, 3_000, id="header-and-head-end-split-across-reads"),
+        pytest.param(False, 40_000, id="240-KB"),
+    ],
+)
+async def test_a_chunked_body_is_never_parsed(handed: list[int], split: bool, chunks: int) -> None:
+    """A GET announcing a chunked body of 1-byte chunks: the parser is handed its head and not a byte more,
+    the answer is 413 and the connection closed. aiohttp's parser turned each chunk into a Python callback
+    (5 ms of the loop per read of 200 KB); the previous server handed it up to 256 KiB per read. A client still
+    sending when the connection closes (more than the kernel's buffers hold) may see a reset instead."""
+    runner = await start_http("127.0.0.1:0", metrics_path="")
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", bound_port(runner))
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\ntransfer-ENCODING: chunked\r\n\r\n"
+        stream = head + b"1\r\nx\r\n" * chunks
+        # Split inside the header's name and between the two line ends that end the head (the server's reads
+        # follow the writes, or coalesce them: the outcome is the same).
+        cuts = [0, 40, len(head) - 1, len(stream)] if split else [0, len(stream)]
+        for begin, end in itertools.pairwise(cuts):
+            if begin:
+                await asyncio.sleep(0.05)
+            writer.write(stream[begin:end])
+            await writer.drain()
+        # Read at once: a reset that comes before the answer is read makes asyncio drop the answer.
+        answer = await _rest(reader)
+        writer.close()
+        if chunks * 6 < 65536 or answer:
+            assert answer.startswith(b"HTTP/1.1 413 ") and b"\r\nConnection: close\r\n" in answer, answer[:200]
+        assert sum(handed) == len(head), handed
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_content_length_body_is_refused_unread(handed: list[int]) -> None:
+    """A GET with a 20 KB body announced by Content-Length: 413, the connection closed, and only the head
+    handed to the parser (the previous server handed it the body as well)."""
+    runner = await start_http("127.0.0.1:0", metrics_path="")
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", bound_port(runner))
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n\r\n"
+        writer.write(head + b"x" * 20_000)
+        await writer.drain()
+        answer = await _rest(reader)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"\r\nConnection: close\r\n" in answer, answer[:200]
+        assert sum(handed) == len(head), handed
+    finally:
+        await runner.cleanup()
+
+
+async def test_heads_and_keep_alive_still_work_in_bounded_reads(handed: list[int]) -> None:
+    """A plain GET, one with `Content-Length: 0`, a head of 120 KB (30 lines of 4 KB: the largest kind the
+    server takes) and three pipelined GETs, on one kept-alive connection: each answered 200, and the parser
+    handed at most `read_size` bytes at a time (the previous server handed it the whole head at once)."""
+    runner = await start_http("127.0.0.1:0", metrics_path="")
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", bound_port(runner))
+        plain = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        big = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 4000) for i in range(30))
+        sent = [plain, b"GET /healthz HTTP/1.1\r\nHost: x\r\ncontent-length: 0\r\n\r\n", big + b"\r\n", plain * 3]
+        for request in sent:
+            writer.write(request)
+            await writer.drain()
+            for _ in range(request.count(b"GET ")):
+                head, body = await _answer(reader)
+                assert head.startswith(b"HTTP/1.1 200 ") and body == b"ok\n", head
+                assert b"Connection: close" not in head
+        writer.close()
+        assert sum(handed) == sum(map(len, sent)) and max(handed) <= Limits().read_size, handed
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_connection_ends_after_its_request_cap() -> None:
+    """One connection asking `/healthz` again and again (the shipped cap): the hundredth answer says
+    `Connection: close` and the server closes the connection; the previous server answered forever, a core
+    busy on one connection."""
+    cap = Limits().requests_per_connection
+    runner = await start_http("127.0.0.1:0", metrics_path="")
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", bound_port(runner))
+        closing = []
+        for _ in range(cap):
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            head, _ = await _answer(reader)
+            closing.append(b"\r\nConnection: close\r\n" in head)
+        assert closing == [False] * (cap - 1) + [True]
+        assert await _rest(reader) == b""
+        writer.close()
+        # A new connection is answered as before.
+        assert (await asyncio.to_thread(_get, f"http://127.0.0.1:{bound_port(runner)}/healthz"))[0] == 200
+    finally:
+        await runner.cleanup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import shutil
 import socket
@@ -732,6 +733,141 @@ async def test_frames_outside_calls_lose_the_connection(preparer: FakePreparer, 
         assert srv.health_port and bounds.control_frames_per_life
         pings = bounds.control_frames_per_life + 1
         await _closed_after(srv.health_port, lambda conn: [conn.ping(n.to_bytes(8, "big")) for n in range(pings)])
+
+
+def _data_frame(stream: int, data: bytes = b"x", *, padded: bool = False) -> bytes:
+    """A DATA frame as bytes, which h2's client would not send on a stream it holds reset; padded: with a pad
+    length of 0 (one byte of flow-controlled length and no data)."""
+    body = b"\x00" + data if padded else data
+    return len(body).to_bytes(3, "big") + b"\x00" + (b"\x08" if padded else b"\x00") + stream.to_bytes(4, "big") + body
+
+
+def _check_message(service: str = "liveness") -> bytes:
+    message = health_pb2.HealthCheckRequest(service=service).SerializeToString()
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+@pytest.mark.parametrize("stream", ["reset by the peer", "answered, its request not ended"])
+async def test_data_frames_outside_calls_lose_the_connection(
+    preparer: FakePreparer, paths: SocketPaths, stream: str
+) -> None:
+    """One-byte DATA frames on a stream that carries no request: h2 answers each on a reset stream with a
+    RST_STREAM by itself (and gives its flow-control window back), grpclib gives back the window of those on a
+    call it has answered; 400,000 of them in 10 s took half of the event loop. They count among the frames
+    outside calls (past the few a call may send): the connection is closed once it sent more than its bounds
+    allow (the idle and request deadlines, 30 s here, are not what close it); the previous server kept reading
+    them."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0, request_s=30.0)
+    async with PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds) as srv:
+        assert srv.health_port and bounds.control_frames_per_life
+        client = await RawClient.connect(srv.health_port)
+        try:
+            client.h2.send_headers(1, GRPC_HEADERS)
+            if stream == "reset by the peer":
+                client.h2.reset_stream(1)
+                await client.flush()
+            else:
+                client.h2.send_data(1, _check_message())
+                await client.flush()
+                await client.read_until(lambda events: bool(_trailers(events)))
+                assert _trailers(client.events).get("grpc-status") == "0"
+            frames = bounds.control_frames_per_life + bounds.data_frames_per_call + 1
+            await _lost_after(client, _data_frame(1) * frames)
+        finally:
+            client.close()
+        assert await _health(srv.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_padded_empty_data_frames_lose_the_connection(preparer: FakePreparer, paths: SocketPaths) -> None:
+    """DATA frames of padding only, on a call waiting for its message: empty frames (passed over, as those
+    without padding are), so frames outside calls; the connection is closed past the bound (the deadlines, 30 s
+    here, are not what close it). The previous server took them for data, handed them to grpclib, which gave
+    back their window, and kept reading them (160,000 in 4 s: 42% of the loop)."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0, request_s=30.0)
+    async with PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds) as srv:
+        assert srv.health_port and bounds.control_frames_per_life
+        client = await RawClient.connect(srv.health_port)
+        try:
+            client.h2.send_headers(1, GRPC_HEADERS)
+            await client.flush()
+            await _lost_after(client, _data_frame(1, b"", padded=True) * (bounds.control_frames_per_life + 1))
+        finally:
+            client.close()
+        assert await _health(srv.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_request_in_more_frames_than_a_call_may_send_loses_the_connection(
+    preparer: FakePreparer, paths: SocketPaths
+) -> None:
+    """A Check whose message comes a byte per DATA frame, more frames than a call's few and the bound on
+    frames outside calls together: the connection is closed before the message is complete (the deadlines,
+    30 s here, are not what close it). The previous server read them all and answered."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0, request_s=30.0)
+    async with PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds) as srv:
+        assert srv.health_port and bounds.control_frames_per_life
+        message = _check_message("x" * (bounds.control_frames_per_life + bounds.data_frames_per_call))
+        client = await RawClient.connect(srv.health_port)
+        try:
+            client.h2.send_headers(1, GRPC_HEADERS)
+            await client.flush()
+            await _lost_after(client, b"".join(_data_frame(1, message[i : i + 1]) for i in range(len(message))))
+            assert not _trailers(client.events)
+        finally:
+            client.close()
+        assert await _health(srv.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_calls_whose_message_comes_in_a_few_frames_are_answered(server: PluginServer) -> None:
+    """As many calls as a connection may open (16), one after the other, each message split over as many DATA
+    frames as a call may send (the last an empty one that ends the request, as grpc-core sends it): all
+    answered SERVING on one connection, which stays open. Counted as frames outside calls they would have
+    lost it."""
+    assert server.health_port and HEALTH_BOUNDS.streams_per_life
+    client = await RawClient.connect(server.health_port)
+    try:
+        message = _check_message()
+        parts = HEALTH_BOUNDS.data_frames_per_call - 1
+        cuts = [len(message) * i // parts for i in range(parts + 1)]
+        for stream in range(1, 2 * HEALTH_BOUNDS.streams_per_life, 2):
+            client.h2.send_headers(stream, GRPC_HEADERS)
+            for start, end in itertools.pairwise(cuts):
+                client.h2.send_data(stream, message[start:end])
+            client.h2.send_data(stream, b"", end_stream=True)
+            await client.flush()
+            await client.read_until(_answered_on(stream))
+            assert _trailers_of(client.events, stream).get("grpc-status") == "0", stream
+        assert not client.closed
+    finally:
+        client.close()
+
+
+async def test_sixteen_checks_from_a_grpc_client_share_a_connection(server: PluginServer) -> None:
+    """A gRPC client's 16 Checks on one channel: all answered SERVING on one connection, which its pings and
+    window updates (frames outside calls too) do not lose."""
+    assert server.health_port and HEALTH_BOUNDS.streams_per_life
+    connections = set()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+        for _ in range(HEALTH_BOUNDS.streams_per_life):
+            assert await health_check(channel, "liveness", deadline_s=10) == health_pb2.HealthCheckResponse.SERVING
+            connections |= set(server._servers["health"].slots)
+    assert len(connections) == 1
+
+
+def _trailers_of(events: list[h2.events.Event], stream: int) -> dict[str, str]:
+    return _trailers([e for e in events if getattr(e, "stream_id", None) == stream])
+
+
+def _answered_on(stream: int) -> Callable[[list[h2.events.Event]], bool]:
+    return lambda events: bool(_trailers_of(events, stream))
+
+
+async def _lost_after(client: RawClient, frames: bytes) -> None:
+    """Writing `frames` on the client's connection loses it (within 10 s)."""
+    client.writer.write(frames)
+    with contextlib.suppress(ConnectionError):
+        await client.writer.drain()
+    await asyncio.wait_for(client.read_until(lambda _: False), 10)
+    assert client.closed
 
 
 async def _closed_after(port: int, send: Callable[[h2.connection.H2Connection], object]) -> None:
