@@ -38,13 +38,19 @@ COPY --from=build /opt/venv /opt/venv
 # event loop's thread, so one arena serves them. A fixed mmap threshold keeps every block of 128 KiB or more
 # (each TLS connection's 256 KiB read buffer, large API answers) in a mapping of its own that goes back to the
 # kernel when freed; glibc's moving threshold puts them in the heap after the first is freed, where the
-# memory of closed connections stays (docs/design/0013).
+# memory of closed connections stays (docs/design/0013). Start-up (docs/design/0013): the HTTP library builds
+# two default TLS contexts when it is imported, each loading the system's whole CA bundle (about 90 ms of
+# every process's start); these processes verify the apiserver against the service account's CA (or a
+# kubeconfig's) only and never use them, so OpenSSL's default paths point at nothing. A deployment that needs a
+# CA bundle of its own sets SSL_CERT_FILE in the chart's env.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYDANTIC_DISABLE_PLUGINS=__all__ \
     MALLOC_ARENA_MAX=1 \
-    MALLOC_MMAP_THRESHOLD_=131072
+    MALLOC_MMAP_THRESHOLD_=131072 \
+    SSL_CERT_FILE=/dev/null \
+    SSL_CERT_DIR=/dev/null
 LABEL org.opencontainers.image.title="computedomain" \
       org.opencontainers.image.description="ComputeDomain controller, DRA node agent and IMEX daemon" \
       org.opencontainers.image.licenses="Apache-2.0"
