@@ -57,9 +57,9 @@ from computedomain.kube.decoding import (
     Decoded,
     DecodeError,
     Rejected,
-    decode,
     decode_items,
     partial,
+    pruned,
     rejection,
     shallow,
     too_large,
@@ -105,11 +105,10 @@ log = logging.getLogger(__name__)
 
 Raw: TypeAlias = dict[str, Any]
 
-#: Decoding a larger document holds the event loop for more than about a millisecond (pydantic-core: 0.9 ms
-#: for 256 KiB of list items here), so it is decoded in a worker thread, where the interpreter's switch
-#: interval lets the loop run beside it. So is one the fast path refuses (nested too deep) from
-#: ``INLINE_PRUNE_BYTES`` on: the pure-Python pruner takes about seven times as long per byte.
-INLINE_DECODE_BYTES: Final = 256 * 1024
+#: A document the fast decoder refuses (nested too deep) goes through the pure-Python pruner, about seven
+#: times as slow per byte; from this size on that runs in a worker thread, where the interpreter's switch
+#: interval lets the event loop turn beside it. (The fast decoder holds the interpreter for its whole parse,
+#: in a thread or not: 0.9 ms for 256 KiB of list items here, 142 ms for a 16 MB page.)
 INLINE_PRUNE_BYTES: Final = 16 * 1024
 #: Lines of a watch stream read between two turns of the event loop (a stream of blank lines held it).
 LINES_PER_TURN: Final = 256
@@ -1107,14 +1106,13 @@ async def _lines(chunks: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[
 
 
 async def _decode(data: bytes) -> Decoded:
-    """``decode``, in a worker thread where it would hold the event loop (``INLINE_DECODE_BYTES``)."""
-    if len(data) <= INLINE_DECODE_BYTES:
-        fast = shallow(data)
-        if fast is not None:
-            return fast
-        if len(data) <= INLINE_PRUNE_BYTES:
-            return decode(data)
-    return await asyncio.to_thread(decode, data)
+    """``decode``, its slow path in a worker thread where it would hold the event loop (``INLINE_PRUNE_BYTES``)."""
+    fast = shallow(data)
+    if fast is not None:
+        return fast
+    if len(data) <= INLINE_PRUNE_BYTES:
+        return pruned(data)
+    return await asyncio.to_thread(pruned, data)
 
 
 async def _watch_event(line: bytes) -> WatchEvent:

@@ -54,6 +54,7 @@ __all__ = [
     "decode_items",
     "field_path",
     "partial",
+    "pruned",
     "rejection",
     "shallow",
     "too_large",
@@ -137,12 +138,14 @@ def field_path(path: Sequence[str | int]) -> str:
 def decode(data: bytes) -> Decoded:
     """Decode one document within ``MAX_DEPTH``; values nested deeper come back as ``null`` with a cut each.
     ``DecodeError`` when ``data`` is not JSON."""
-    fast = shallow(data)
-    if fast is not None:
-        return fast
-    pruned, cuts = prune(data)
+    return shallow(data) or pruned(data)
+
+
+def pruned(data: bytes) -> Decoded:
+    """``decode``'s slow path, for a document the fast path refused as nested too deep."""
+    kept, cuts = prune(data)
     try:
-        return Decoded(from_json(pruned), tuple(cuts))
+        return Decoded(from_json(kept), tuple(cuts))
     except ValueError as exc:  # the fast path's refusal was not about depth after all
         raise DecodeError(f"not JSON: {exc}") from None
 

@@ -37,9 +37,10 @@ This module is pure (no I/O, no globals) and safe to use from any task.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from computedomain.kube.decoding import decode
 
@@ -182,6 +183,11 @@ class Forbidden(Permanent):
     """403: RBAC (or an admission plugin) refused the request."""
 
 
+#: The longest wait a server's hint (``Retry-After``, ``retryAfterSeconds``) is taken for: the apiserver asks
+#: for a second or a few; a larger or non-finite one would park a reconcile until the next event.
+MAX_RETRY_AFTER_S: Final = 60.0
+
+
 def parse_retry_after(value: str | None) -> float | None:
     """Seconds from a ``Retry-After`` header; only the delta-seconds form is used by the apiserver."""
     if not value:
@@ -190,7 +196,7 @@ def parse_retry_after(value: str | None) -> float | None:
         seconds = float(value.strip())
     except ValueError:
         return None
-    return max(0.0, seconds)
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else None
 
 
 def _decode_status(body: bytes | str | Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -240,8 +246,8 @@ def error_from_status(
     message = str(status.get("message") or "") or f"HTTP {code} {reason}".strip()
     details = status.get("details")
     details = details if isinstance(details, Mapping) else {}
-    if retry_after is None:
-        retry_after = _int32(details.get("retryAfterSeconds"))
+    if retry_after is None and (hint := _int32(details.get("retryAfterSeconds"))) is not None:
+        retry_after = min(float(hint), MAX_RETRY_AFTER_S)
     kwargs: dict[str, Any] = {
         "status": code,
         "reason": reason,

@@ -243,40 +243,38 @@ async def test_an_object_a_get_reads_is_read_in_a_watch_too() -> None:
             await client.close()
 
 
-async def test_documents_that_would_hold_the_loop_are_decoded_in_a_worker_thread(
+async def test_documents_for_the_pure_python_pruner_are_decoded_in_a_worker_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A 1.6 MB watch event nested too deep took 214 ms of the pure-Python pruner on the event loop, in the
-    controller and in every node agent; now such a document, and any over ``INLINE_DECODE_BYTES``, is decoded
-    beside the loop. Small ones stay inline (a thread hop would cost more than they do)."""
+    controller and in every node agent; now such a document over ``INLINE_PRUNE_BYTES`` is pruned beside the
+    loop. Small ones stay inline (a thread hop would cost more than they do), and one the fast decoder takes
+    never meets the pruner."""
     from computedomain.kube import client as client_module
 
     threads: list[bool] = []
-    real = client_module.decode
+    real = client_module.pruned
 
     def spy(data: bytes) -> Any:
         threads.append(threading.current_thread() is not threading.main_thread())
         return real(data)
 
-    monkeypatch.setattr(client_module, "decode", spy)
+    monkeypatch.setattr(client_module, "pruned", spy)
 
     def deep(levels: int, pad: int) -> bytes:
         return b'{"p":"' + b"x" * pad + b'","v":' + b"[" * levels + b"]" * levels + b"}"
 
     cases = {
-        "shallow, small": (json.dumps({"a": "x" * 1000}).encode(), None),
-        "shallow, over the inline bound": (
-            json.dumps({"a": "x" * (client_module.INLINE_DECODE_BYTES + 1)}).encode(),
-            True,
-        ),
-        "deep, small": (deep(MAX_DEPTH + 10, 100), False),
-        "deep, over the pruner's inline bound": (deep(MAX_DEPTH + 10, client_module.INLINE_PRUNE_BYTES), True),
+        "shallow, small": (json.dumps({"a": "x" * 1000}).encode(), []),
+        "shallow, large": (json.dumps({"a": "x" * (1 << 20)}).encode(), []),
+        "deep, small": (deep(MAX_DEPTH + 10, 100), [False]),
+        "deep, over the pruner's inline bound": (deep(MAX_DEPTH + 10, client_module.INLINE_PRUNE_BYTES), [True]),
     }
-    for what, (data, in_thread) in cases.items():
+    for what, (data, expected) in cases.items():
         threads.clear()
         decoded = await client_module._decode(data)
         assert isinstance(decoded.value, dict), what
-        assert threads == ([] if in_thread is None else [in_thread]), what
+        assert threads == expected, what
 
 
 async def test_a_stream_of_blank_lines_lets_the_loop_turn() -> None:
