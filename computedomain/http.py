@@ -254,7 +254,13 @@ class _Gate(asyncio.BufferedProtocol):
         return self._buffer  # one read per turn of the loop fills at most this much
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._handler is None or self._cut:
+        if self._handler is None:
+            return
+        if self._cut:
+            # More bytes after a head that announced a body: aiohttp resumed reading (its queue of answers
+            # drained), and the peer is sending the body or more. Nothing here reads them.
+            assert self._transport is not None
+            self._transport.abort()
             return
         data = bytes(self._buffer[:nbytes])
         end = self._end_of_body_head(data)

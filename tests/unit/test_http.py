@@ -4,6 +4,7 @@ clients that trickle, idle, flood, send bodies or do not read."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -460,6 +461,34 @@ async def test_a_chunked_body_is_never_parsed(handed: list[int], split: bool, ch
         if chunks * 6 < 65536 or answer:
             assert answer.startswith(b"HTTP/1.1 413 ") and b"\r\nConnection: close\r\n" in answer, answer[:200]
         assert sum(handed) == len(head), handed
+    finally:
+        await runner.cleanup()
+
+
+async def test_bytes_after_a_cut_head_end_the_connection(handed: list[int]) -> None:
+    """Pipelined GETs, then a head announcing a body, then a stream of bytes: aiohttp resumes reading once its
+    queue of answers drains, and the server then read and threw away whatever came, at line rate, for as long
+    as the answers took (a core for seconds per connection). Now the first bytes read after the cut end the
+    connection: the client's writes fail long before it has sent 256 MiB."""
+    # Scrapes wait for the next render: 16 of them keep aiohttp's queue of answers full for seconds.
+    runner = await start_http("127.0.0.1:0", metrics_path="/metrics", limits=Limits(metrics_every_s=0.5))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", bound_port(runner))
+        gets = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 17 + b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 16
+        writer.write(gets + b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
+        junk = b"x" * 65536
+        sent = 0
+        with pytest.raises(ConnectionError):
+            while sent < 256 << 20:
+                writer.write(junk)
+                await writer.drain()
+                sent += len(junk)
+                if not sent % (1 << 20):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(reader.read(1 << 20), 0.001)  # keep the answers flowing
+        print(f"bytes sent before the reset: {sent:,}")
+        writer.close()
+        assert sum(handed) <= len(gets) + 200, handed
     finally:
         await runner.cleanup()
 

@@ -283,6 +283,37 @@ async def test_a_record_is_created_only_with_the_finalizer_that_keeps_its_channe
     assert created["metadata"]["finalizers"] == [COMPUTE_DOMAIN_FINALIZER]
 
 
+async def test_a_record_carries_only_its_domains_label_and_no_annotations(bed: Bed) -> None:
+    """The apiserver bounds neither how many labels an object has nor (but for 256 KiB) its annotations: a
+    token could create a record of a live domain in any clique with 1.5 MB of labels, which nobody could
+    write or delete afterwards (a delete stores the deletionTimestamp), so that domain got no channel there
+    while it lived. Before, both were accepted."""
+    _, attacker_node = bed.nodes
+    attacker = bed.agents[attacker_node]
+    d = str(uuid.uuid4())
+    name = f"{d}.{CLIQUE}"
+    body = _record(bed, name, d, [("x", attacker_node)])
+    meta = body["metadata"]
+    cases = {
+        "another label": {**body, "metadata": {**meta, "labels": {**meta["labels"], "x": "y" * 63}}},
+        "an annotation": {**body, "metadata": {**meta, "annotations": {"x": "y"}}},
+    }
+    for what, bad in cases.items():
+        why = await _refused(attacker.create(COMPUTE_DOMAIN_CLIQUES, bad, namespace=bed.ns))
+        assert "only the label resource.nvidia.com/computeDomain, no annotations" in why, (what, why)
+    await attacker.create(COMPUTE_DOMAIN_CLIQUES, body, namespace=bed.ns)
+    try:
+        note = {"metadata": {"annotations": {"x": "y" * 1000}}}
+        why = await _refused(attacker.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, note, namespace=bed.ns))
+        assert "annotations, finalizers and owners must stay as they are" in why, why
+    finally:
+        unpin = '{"metadata":{"finalizers":null}}'
+        bed.cluster.kubectl(
+            "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
+        )
+        bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false", check=False)
+
+
 async def test_a_record_being_deleted_takes_no_fresh_entries(bed: Bed) -> None:
     _, attacker_node = bed.nodes
     attacker = bed.agents[attacker_node]
