@@ -36,6 +36,7 @@ A failure raises; the convergence loop retries with backoff, by which time the w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -107,6 +108,7 @@ class ChannelAssigner:
         # list of every claim (by UID) with when it was taken.
         self._first_seen: dict[str, dict[tuple[str, str, str], float]] = {}
         self._claims: tuple[dict[str, ClaimView], float] | None = None
+        self._listing: tuple[asyncio.Future[dict[str, ClaimView]], float] | None = None  # in flight, since when
         # Set once the apiserver dropped the mark (a CRD older than the chart): verifying stops, not loops.
         self._no_mark = False
 
@@ -312,8 +314,9 @@ class ChannelAssigner:
                 # A record no node of the clique lists (a stolen token asking in made-up cliques) holds no
                 # channel, but would stay for as long as its domain lives. One that lists a claim allocated
                 # there (a node whose label is missing for a while) stays: deleting it would leave that claim
-                # in a record being deleted, and the domain's pods in the clique refused until it goes.
-                if record.name in space.unbound and not record.verified:
+                # in a record being deleted, and the domain's pods in the clique refused until it goes. A
+                # verified entry holds it as it holds a channel (``_holds``).
+                if record.name in space.unbound and not await self._holds(record, later):
                     key = (record.uid, True)
                     left = since.setdefault(key, before.get(key, now)) + self.idle_release - now
                     if left > 0:
@@ -323,12 +326,8 @@ class ChannelAssigner:
                     else:
                         idle.add(record.name)
                 continue
-            if record.verified:
-                vacated = await self._vacated(record)
-                if vacated is None:
-                    later.append(CLAIM_LIST_S)  # no live list to tell yet
-                if vacated is None or record.verified - vacated:
-                    continue  # a claim holds the channel
+            if await self._holds(record, later):
+                continue
             key = (record.uid, False)
             start = since[key] = before.get(key, now)
             left = start + self.idle_release - now
@@ -344,6 +343,17 @@ class ChannelAssigner:
         if since:
             self._unused_since[space.clique_id] = since
         return frozenset(idle), min(later, default=None)
+
+    async def _holds(self, record: Record, later: list[float]) -> bool:
+        """Whether a verified entry of the record holds it (its claim exists, or its node is in the clique);
+        adds to ``later`` when no live list can tell yet."""
+        if not record.verified:
+            return False
+        vacated = await self._vacated(record)
+        if vacated is None:
+            later.append(CLAIM_LIST_S)  # no live list to tell yet
+            return True
+        return bool(record.verified - vacated)
 
     async def _verifiable_live(self, space: CliqueSpace) -> tuple[CliqueSpace, bool]:
         """``space`` with the unverified entries the claim cache does not vouch for looked up in a live list
@@ -391,6 +401,23 @@ class ChannelAssigner:
             return self._claims[0]
         if self._claims is not None and now - self._claims[1] < CLAIM_LIST_S:
             return None
+        # One list at a time, whichever cliques' loops ask for it (one per worker): a caller joins the list in
+        # flight when it began after ``since``, else is asked again later.
+        if self._listing is not None:
+            listing, began = self._listing
+            if began <= since:
+                return None
+        else:
+            listing = asyncio.ensure_future(self._list_claims(now))
+            self._listing = (listing, now)
+            listing.add_done_callback(self._listed)
+        return await asyncio.shield(listing)
+
+    def _listed(self, listing: asyncio.Future[dict[str, ClaimView]]) -> None:
+        if self._listing is not None and self._listing[0] is listing:
+            self._listing = None
+
+    async def _list_claims(self, now: float) -> dict[str, ClaimView]:
         # Stamped when asked: an entry seen before then was written after its claim's allocation, which a
         # consistent list begun later shows.
         listed = await self.client.list_all(RESOURCE_CLAIMS, namespace=self.caches.cd_namespace)

@@ -4,7 +4,9 @@ themselves: test_channels.py; the whole protocol on a real apiserver: tests/clus
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -196,7 +198,8 @@ async def test_a_channel_less_record_no_node_of_its_clique_lists_is_deleted_afte
     channel, but stayed for as long as the domain lived: now they go after ``IMEX_CHANNEL_IDLE_RELEASE``, and
     each is named at INFO once, not on every pass. One listing a claim allocated there stays, verified or not
     (a node whose label is missing for a while): deleted, it would keep that claim in a record being deleted,
-    and the domain's pods in the clique would be refused until that pod goes."""
+    and the domain's pods in the clique would be refused until that pod goes; a verified entry whose claim is
+    gone holds it no more."""
 
     def unbound(verified: bool) -> type[Caches]:
         class Unbound(Caches):
@@ -212,6 +215,7 @@ async def test_a_channel_less_record_no_node_of_its_clique_lists_is_deleted_afte
         ("300s", [], False, False),
         ("1ns", allocated, True, False),
         ("1ns", allocated, False, False),
+        ("1ns", [], True, True),  # verified, but its claim is gone and its node elsewhere: it holds nothing
     ]
     for idle, claims, verified, deleted in cases:
         api = Moved(claims)
@@ -228,3 +232,28 @@ async def test_a_channel_less_record_no_node_of_its_clique_lists_is_deleted_afte
             assert api.deleted[0]["uid"] == "rec-1" and api.deleted[0]["resource_version"] == "7"
         told = [r for r in caplog.records if r.levelno == logging.INFO and "no IMEX channel for" in r.getMessage()]
         assert len(told) == 1, (what, [r.getMessage() for r in told])
+
+
+async def test_cliques_that_ask_at_once_share_one_list_of_the_claims() -> None:
+    """Each of the channel loop's workers could list every ResourceClaim at once; now one list is in flight at
+    a time, joined by whoever asks for one taken after an earlier moment, while one who needs a later list is
+    asked again later (a list begun before an entry was first seen may not show its claim)."""
+
+    class Slow(Api):
+        def __init__(self) -> None:
+            super().__init__([allocated_claim("claim-1", "n1", D)])
+            self.go = asyncio.Event()
+
+        async def list_all(self, resource: Any, **kwargs: Any) -> ObjectList:
+            await self.go.wait()
+            return await super().list_all(resource, **kwargs)
+
+    api = Slow()
+    assigner = ChannelAssigner(Writer(api), settings(IMEX_ISOLATION="domain"))  # type: ignore[arg-type]
+    began = time.monotonic()
+    asking = [asyncio.create_task(assigner._claims_since(began - 1.0)) for _ in range(4)]
+    await asyncio.sleep(0)
+    assert await assigner._claims_since(time.monotonic() + 1.0) is None, "a list begun too early is not joined"
+    api.go.set()
+    answers = await asyncio.gather(*asking)
+    assert api.lists == 1 and all(a is answers[0] for a in answers) and "claim-1" in answers[0]
