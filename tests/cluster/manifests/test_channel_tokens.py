@@ -172,6 +172,13 @@ def _record(bed: Bed, name: str, domain_label: str, claims: list[tuple[str, str]
     }
 
 
+def _remove(bed: Bed, name: str) -> None:
+    """A record of a test gone: its finalizer off (nobody here unprepares), then deleted."""
+    unpin = '{"metadata":{"finalizers":null}}'
+    bed.cluster.kubectl("patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False)
+    bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false", check=False)
+
+
 async def _refused(call: Any) -> str:
     try:
         await call
@@ -307,11 +314,7 @@ async def test_a_record_carries_only_its_domains_label_and_no_annotations(bed: B
         why = await _refused(attacker.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, note, namespace=bed.ns))
         assert "annotations, finalizers and owners must stay as they are" in why, why
     finally:
-        unpin = '{"metadata":{"finalizers":null}}'
-        bed.cluster.kubectl(
-            "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
-        )
-        bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false", check=False)
+        _remove(bed, name)
 
 
 async def test_a_record_being_deleted_takes_no_fresh_entries(bed: Bed) -> None:
@@ -336,10 +339,7 @@ async def test_a_record_being_deleted_takes_no_fresh_entries(bed: Bed) -> None:
         assert await records.release(d, CLIQUE, "x")
         assert await _entries(bed, name) == []
     finally:
-        unpin = '{"metadata":{"finalizers":null}}'
-        bed.cluster.kubectl(
-            "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
-        )
+        _remove(bed, name)
 
 
 async def test_a_node_lists_one_new_claim_per_write_and_at_most_128_in_a_record(bed: Bed) -> None:
@@ -364,11 +364,7 @@ async def test_a_node_lists_one_new_claim_per_write_and_at_most_128_in_a_record(
         why = await _refused(attacker.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [add("c128")], namespace=bed.ns))
         assert "may list at most 128 claims of its own" in why, why
     finally:
-        unpin = '{"metadata":{"finalizers":null}}'
-        bed.cluster.kubectl(
-            "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
-        )
-        bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false", check=False)
+        _remove(bed, name)
 
 
 async def test_an_entry_is_bounded_and_managed_fields_a_token_stored_go_with_the_next_write(bed: Bed) -> None:
@@ -403,11 +399,7 @@ async def test_an_entry_is_bounded_and_managed_fields_a_token_stored_go_with_the
         assert len(await _entries(bed, name)) == 2
         assert await managed_bytes() < 4096
     finally:
-        unpin = '{"metadata":{"finalizers":null}}'
-        bed.cluster.kubectl(
-            "patch", "computedomainclique", name, "-n", bed.ns, "--type=merge", "-p", unpin, check=False
-        )
-        bed.cluster.kubectl("delete", "computedomainclique", name, "-n", bed.ns, "--wait=false", check=False)
+        _remove(bed, name)
 
 
 async def test_a_record_gets_a_channel_only_from_a_node_of_its_clique(bed: Bed) -> None:
