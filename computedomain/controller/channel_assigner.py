@@ -19,9 +19,9 @@ is left, as the domain reconcile does. The writes, and what makes each safe:
 * retiring a live domain's record whose channel went unused (``IMEX_CHANNEL_IDLE_RELEASE`` since this process
   first saw it without a verified entry, or at once when its entries are all of nodes no longer labelled
   with its clique, and none of its unverified entries allocated there by a live list of the claims), or
-  that stayed unbound without a channel for as long, listing no claim allocated there: a DELETE with its UID and resourceVersion as
-  preconditions, so an entry a node agent added in between makes it a ``Conflict`` (planned again on the
-  fresh state);
+  that stayed unbound without a channel for as long, listing no claim allocated there: a DELETE with its
+  UID and resourceVersion as preconditions, so an entry a node agent added in between makes it a
+  ``Conflict`` (planned again on the fresh state);
 * dropping verified entries that hold nothing (``_vacated``: of a node not labelled with the record's clique,
   for a claim a live list no older than ``AWAY_RECHECK_S`` and taken after the entry was first seen no
   longer has), from records being deleted, and counting them as unused in live ones; a clique with such
@@ -298,8 +298,8 @@ class ChannelAssigner:
 
     async def _idle(self, space: CliqueSpace) -> tuple[frozenset[str], float | None]:
         """The live domains' records whose channel went unused for ``idle_release`` (module docstring), or that
-        stayed unbound without a channel that long listing no claim allocated there, and in how many seconds the next one may be (None: none is
-        timed)."""
+        stayed unbound without a channel that long listing no claim allocated there; and in how many seconds
+        the next one may be (None: none is timed)."""
         if not self.idle_release:
             return frozenset(), None
         now = time.monotonic()
