@@ -231,6 +231,7 @@ class ChannelAssigner:
                 namespace=record.namespace,
                 uid=record.uid,
                 resource_version=record.resource_version,
+                drop_managed_fields=True,
             )
         except NotFound:
             return Gone()

@@ -448,7 +448,9 @@ class Reconciler:
         if isinstance(action, DeleteRecord):
             meta = action.clique.metadata
             with contextlib.suppress(NotFound):
-                await self.client.delete(COMPUTE_DOMAIN_CLIQUES, meta.name, namespace=meta.namespace, uid=meta.uid)
+                await self.client.delete(
+                    COMPUTE_DOMAIN_CLIQUES, meta.name, namespace=meta.namespace, uid=meta.uid, drop_managed_fields=True
+                )
             log.info("deleted channel record cd=%s record=%s/%s", _name(cd), meta.namespace, meta.name)
             return Gone()
         if isinstance(action, WriteStatus):

@@ -852,12 +852,25 @@ class KubeClient:
         resource_version: str | None = None,
         propagation_policy: str | None = None,
         grace_period_seconds: int | None = None,
+        drop_managed_fields: bool = False,
     ) -> Raw:
         """DELETE; ``uid`` and ``resource_version`` are preconditions (``Conflict`` when one does not match).
 
         Returns the apiserver's answer: the object (still there with a deletionTimestamp while finalizers
         hold it) or a Status. ``NotFound`` when already gone: callers that only want it gone ignore that.
+
+        ``drop_managed_fields`` (see ``_DROP_MANAGED_FIELDS``): first a merge patch that drops them, under the
+        same preconditions; the DELETE then has that write's resourceVersion as its own. A DELETE of an
+        object a finalizer holds stores it again with its deletionTimestamp, which an object grown to what
+        etcd takes cannot be.
         """
+        if drop_managed_fields:
+            meta = {"managedFields": [{}], **({"uid": uid} if uid else {})}
+            if resource_version:
+                meta["resourceVersion"] = resource_version
+            stripped = await self.merge_patch(resource, name, {"metadata": meta}, namespace=namespace)
+            if resource_version:
+                resource_version = str((stripped.get("metadata") or {}).get("resourceVersion") or resource_version)
         options: Raw = {"apiVersion": "v1", "kind": "DeleteOptions"}
         preconditions = {k: v for k, v in (("uid", uid), ("resourceVersion", resource_version)) if v}
         if preconditions:

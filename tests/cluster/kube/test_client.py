@@ -201,3 +201,33 @@ async def test_managed_fields_nested_too_deep_hide_no_object(kube: KubeClient, n
     listed = await kube.list_all(CONFIGMAPS, namespace=namespace)
     assert [i["metadata"]["name"] for i in listed.items if i["metadata"]["name"] == "deep"] == ["deep"]
     assert listed.rejected == []
+
+
+async def test_a_delete_that_drops_managed_fields_first_keeps_its_preconditions(
+    kube: KubeClient, namespace: str
+) -> None:
+    """Whoever may patch an object may store managedFields as large as etcd takes; a DELETE of it while a
+    finalizer holds it stores it again with its deletionTimestamp, which such an object cannot be. With
+    ``drop_managed_fields`` the delete first drops them, under the same preconditions (a changed object is
+    a ``Conflict``, as the DELETE alone would be), then deletes at that write's resourceVersion."""
+    body = configmap("held", a="b")
+    body["metadata"]["finalizers"] = ["example.com/hold"]
+    created = await kube.create(CONFIGMAPS, body, namespace=namespace)
+    uid = created["metadata"]["uid"]
+    entry = {"manager": "tenant", "operation": "Update", "apiVersion": "v1", "fieldsType": "FieldsV1",
+             "fieldsV1": {"f:data": {f"f:x{i:06d}": {} for i in range(20_000)}}}  # fmt: skip
+    grown = await kube.merge_patch(CONFIGMAPS, "held", {"metadata": {"managedFields": [entry]}}, namespace=namespace)
+    try:
+        with pytest.raises(errors.Conflict):
+            await kube.delete(CONFIGMAPS, "held", namespace=namespace, uid=uid, resource_version=created["metadata"]["resourceVersion"], drop_managed_fields=True)  # fmt: skip
+        got = await kube.get(CONFIGMAPS, "held", namespace=namespace)
+        assert "deletionTimestamp" not in got["metadata"] and len(str(got["metadata"]["managedFields"])) > 100_000
+        rv = grown["metadata"]["resourceVersion"]
+        await kube.delete(
+            CONFIGMAPS, "held", namespace=namespace, uid=uid, resource_version=rv, drop_managed_fields=True
+        )
+        got = await kube.get(CONFIGMAPS, "held", namespace=namespace)
+        assert got["metadata"].get("deletionTimestamp") and len(str(got["metadata"].get("managedFields"))) < 2000
+    finally:
+        with contextlib.suppress(errors.NotFound):
+            await kube.merge_patch(CONFIGMAPS, "held", {"metadata": {"finalizers": None}}, namespace=namespace)

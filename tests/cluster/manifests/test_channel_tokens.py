@@ -312,7 +312,7 @@ async def test_a_record_carries_only_its_domains_label_and_no_annotations(bed: B
     try:
         note = {"metadata": {"annotations": {"x": "y" * 1000}}}
         why = await _refused(attacker.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, note, namespace=bed.ns))
-        assert "annotations, finalizers and owners must stay as they are" in why, why
+        assert "annotations, generateName, finalizers and owners must stay as they are" in why, why
     finally:
         _remove(bed, name)
 
@@ -330,6 +330,15 @@ async def test_a_record_being_deleted_takes_no_fresh_entries(bed: Bed) -> None:
         fresh = {**add, "value": {"claimUID": "z", "nodeName": attacker_node}}
         why = await _refused(attacker.json_patch(COMPUTE_DOMAIN_CLIQUES, name, [fresh], namespace=bed.ns))
         assert f"ComputeDomainClique {name} is being deleted" in why and "not list new ones" in why, why
+        # Nor any write that takes nothing off: each would change its resourceVersion, and the controller's
+        # release of the record is conditional on it (a token writing in a loop delayed it for as long).
+        churn = {"metadata": {"managedFields": [{}]}}
+        why = await _refused(attacker.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, churn, namespace=bed.ns))
+        assert "may only take its claims off it" in why, why
+        why = await _refused(
+            attacker.merge_patch(COMPUTE_DOMAIN_CLIQUES, name, {"metadata": {"generateName": "x"}}, namespace=bed.ns)
+        )
+        assert "generateName" in why, why
         # The node's cleanup, for a claim it holds prepared whose entry is not there, writes none either.
         records = ChannelRecords(attacker, node_name=attacker_node, namespace=bed.ns)
         assert not await records.hold(d, CLIQUE, "z")
