@@ -594,7 +594,8 @@ class Sweeper:
 
     async def _clique(self, namespace: str, name: str) -> None:
         with contextlib.suppress(NotFound):
-            await self.writer.client.delete(COMPUTE_DOMAIN_CLIQUES, name, namespace=namespace)
+            # As every delete of a record: its managedFields may have been grown to what etcd takes.
+            await self.writer.client.delete(COMPUTE_DOMAIN_CLIQUES, name, namespace=namespace, drop_managed_fields=True)
         ORPHANS_REMOVED.labels("ComputeDomainClique").inc()
 
 

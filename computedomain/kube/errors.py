@@ -212,9 +212,9 @@ def _decode_status(body: bytes | str | Mapping[str, Any] | None) -> Mapping[str,
 
 
 def _causes(details: Mapping[str, Any]) -> tuple[Cause, ...]:
-    raw = details.get("causes") or ()
+    raw = details.get("causes")
     out = []
-    for c in raw:
+    for c in raw if isinstance(raw, list) else ():
         if isinstance(c, Mapping):
             out.append(
                 Cause(

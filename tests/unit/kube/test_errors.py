@@ -173,6 +173,8 @@ def test_a_status_with_fields_no_apiserver_sends_stays_in_the_taxonomy() -> None
     teapot = error_from_status({"kind": "Status", "code": "teapot", "reason": "Expired"})
     assert isinstance(teapot, errors.KubeError)
     assert isinstance(error_from_status({"kind": "Status", "code": huge}), errors.KubeError)
+    for causes in (5, True, 1.5, "abc", {"field": "x"}):
+        assert error_from_status({"kind": "Status", "code": 409, "details": {"causes": causes}}).causes == ()
     # A hint is taken for at most MAX_RETRY_AFTER_S, and never an infinite one: either parked a reconcile.
     assert errors.parse_retry_after("inf") is None and errors.parse_retry_after("nan") is None
     assert errors.parse_retry_after("86400") == errors.MAX_RETRY_AFTER_S
