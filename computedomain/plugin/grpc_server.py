@@ -63,10 +63,18 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.health.v1 import health_pb2
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server, Stream
-from h2.exceptions import ProtocolError
+from h2.exceptions import FrameTooLargeError, ProtocolError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
-from hyperframe.frame import ContinuationFrame, DataFrame, ExtensionFrame, Frame, HeadersFrame, RstStreamFrame
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    ExtensionFrame,
+    Frame,
+    HeadersFrame,
+    RstStreamFrame,
+    SettingsFrame,
+)
 
 from computedomain.api.constants import DRIVER_NAME, HEALTH_PORT
 from computedomain.metrics import Counter
@@ -229,6 +237,12 @@ KUBELET_BOUNDS: Final = Bounds(
 )
 
 
+#: the settings h2 knows (HTTP/2's and the extended CONNECT one); a SETTINGS frame of more than 16 entries (of
+#: 6 bytes) is refused: extensions define a few more, nobody sends thousands
+_SETTING_CODES: Final = frozenset(int(code) for code in SettingCodes)
+_MAX_SETTINGS_BYTES: Final = 6 * 16
+
+
 class _Frames(FrameBuffer):
     """h2's frame buffer with a bound on a header block (h2 joins up to 64 CONTINUATION frames, 1 MiB, and
     hpack decodes the block in pure Python, about 1.5 µs a byte when Huffman-coded) and on what a connection
@@ -250,9 +264,25 @@ class _Frames(FrameBuffer):
         self._requests: dict[int, int] = {}
         self._last_stream = 0
 
+    def _check_header(self) -> None:
+        """Refuse a frame too long from its header alone: h2 checks the length only once the whole body has
+        arrived, so a header announcing 16 MiB had each connection buffer that much before it was refused."""
+        if len(self._data) < 9:
+            return
+        length = int.from_bytes(self._data[:3], "big")
+        if length > self.max_frame_size:
+            raise FrameTooLargeError(f"a frame of {length} bytes; the limit is {self.max_frame_size}")
+        if self._data[3] == SettingsFrame.type and length > _MAX_SETTINGS_BYTES:
+            raise ProtocolError(f"a SETTINGS frame of {length} bytes; the limit is {_MAX_SETTINGS_BYTES}")
+
     def __next__(self) -> Frame:
         while True:
+            self._check_header()
             f = super().__next__()
+            if isinstance(f, SettingsFrame) and any(code not in _SETTING_CODES for code in f.settings):
+                # RFC 9113 says to ignore settings it does not define; h2 keeps each one for the life of the
+                # connection and walks them all at every later SETTINGS (125 frames held the loop 0.5 s).
+                f.settings = {k: v for k, v in f.settings.items() if k in _SETTING_CODES}
             # Empty DATA carries nothing (its padding neither), and grpclib would take it for the end of the
             # message (an error it logs with a traceback) and queue an entry for each.
             skip = isinstance(f, ExtensionFrame) or (

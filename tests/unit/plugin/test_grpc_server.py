@@ -29,6 +29,7 @@ from computedomain.plugin.grpc_server import (
     PluginServer,
     SocketPathError,
     SocketPaths,
+    _Frames,
     tcp_address,
 )
 from computedomain.plugin.preparer import (
@@ -993,3 +994,49 @@ async def test_pings_never_read_do_not_hold_the_connection(preparer: FakePrepare
     finally:
         sock.close()
         await bounded.stop(grace_s=0)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        # An unknown type announcing 16 MiB, of which only the first bytes come: h2 checked the length only once
+        # the whole body had arrived, and each connection buffered the 16 MiB first.
+        pytest.param(b"\xff\xff\xfe\xfe\x00\x00\x00\x00\x00" + b"x" * 1024, id="a frame longer than the limit"),
+        # 2,730 settings HTTP/2 does not define: h2 kept each for the connection's life and walked them all at
+        # every later SETTINGS (24 such frames and 101 small ones held the loop 0.5 s and grew it by 54 MiB).
+        pytest.param(
+            (16380).to_bytes(3, "big") + b"\x04\x00\x00\x00\x00\x00"
+            + b"".join((0x10 + i).to_bytes(2, "big") + b"\x00\x00\x00\x01" for i in range(2730)),
+            id="a SETTINGS frame of unknown settings",
+        ),
+    ],
+)  # fmt: skip
+async def test_frames_whose_header_says_too_much_lose_the_connection(
+    preparer: FakePreparer, paths: SocketPaths, frame: bytes
+) -> None:
+    """Refused from the frame's header, before its body is buffered or parsed (the deadlines, 30 s here, are
+    not what close it); the port still answers a probe."""
+    bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=30.0, request_s=30.0)
+    async with PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds) as srv:
+        assert srv.health_port
+        client = await RawClient.connect(srv.health_port)
+        try:
+            await _lost_after(client, frame)
+        finally:
+            client.close()
+        assert await _health(srv.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_settings_http2_does_not_define_are_dropped() -> None:
+    """A SETTINGS frame small enough to pass, with settings HTTP/2 does not define besides one it does: h2 is
+    handed the one it knows only (RFC 9113: ignore the others), instead of keeping each for the connection's
+    life."""
+    frames = _Frames(HEALTH_BOUNDS)
+    frames.max_frame_size = 16384
+    streams = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
+    entries = [(0x10 + i, 1) for i in range(3)] + [(int(streams), 7)]
+    body = b"".join(code.to_bytes(2, "big") + value.to_bytes(4, "big") for code, value in entries)
+    frames.add_data(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    frames.add_data(len(body).to_bytes(3, "big") + b"\x04\x00\x00\x00\x00\x00" + body)
+    frame = next(frames)
+    assert dict(frame.settings) == {streams: 7}
