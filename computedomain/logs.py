@@ -35,3 +35,6 @@ def configure_logging(settings: CommonSettings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level.upper())
+    # The HTTP/2 header decoder logs each header it decodes at DEBUG: at debug level a peer of the health port
+    # could make the agent write two lines per header it sends (thousands a connection).
+    logging.getLogger("hpack").setLevel(max(logging.INFO, root.level))

@@ -212,3 +212,22 @@ def test_tunables_default_to_the_values_the_code_had() -> None:
     assert (plugin.prepare_budget, plugin.prepare_backoff_initial, plugin.prepare_backoff_max) == (40.0, 0.25, 3.0)
     assert (plugin.cleanup_interval, plugin.clique_refresh_interval) == (600.0, 600.0)
     assert load_settings(PluginSettings, environ={**NODE, "POD_NAME": "agent-x"}).pod_name == "agent-x"
+
+
+def test_debug_logging_leaves_the_header_decoder_quiet() -> None:
+    """At debug level the HTTP/2 header decoder logged each header a peer of the health port sent, twice:
+    about 3 KiB from a peer made 5,961 lines. Its logger stays at INFO whatever the level."""
+    import logging
+
+    from computedomain.logs import configure_logging
+
+    root = logging.getLogger()
+    before = (root.level, root.handlers[:], logging.getLogger("hpack").level)
+    try:
+        configure_logging(load_settings(ControllerSettings, environ={"LOG_LEVEL": "debug"}))
+        assert root.level == logging.DEBUG
+        assert not logging.getLogger("hpack").isEnabledFor(logging.DEBUG)
+    finally:
+        root.setLevel(before[0])
+        root.handlers[:] = before[1]
+        logging.getLogger("hpack").setLevel(before[2])
