@@ -594,8 +594,7 @@ class Sweeper:
 
     async def _clique(self, namespace: str, name: str) -> None:
         with contextlib.suppress(NotFound):
-            # As every delete of a record: its managedFields may have been grown to what etcd takes.
-            await self.writer.client.delete(COMPUTE_DOMAIN_CLIQUES, name, namespace=namespace, drop_managed_fields=True)
+            await self.writer.client.delete(COMPUTE_DOMAIN_CLIQUES, name, namespace=namespace)
         ORPHANS_REMOVED.labels("ComputeDomainClique").inc()
 
 
