@@ -31,6 +31,7 @@ from computedomain.settings import (
     help_text,
     load_settings,
 )
+from computedomain.startup import imports_without_gc
 
 _PROCESSES: dict[str, type[CommonSettings]] = {
     "controller": ControllerSettings,
@@ -103,17 +104,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "controller":
             controller_settings = load_settings(ControllerSettings, rest)
             # Imported here: check-settings must not need the Kubernetes client stack.
-            from computedomain.controller.app import main as run_controller
+            with imports_without_gc():
+                from computedomain.controller.app import main as run_controller
 
             configure_logging(controller_settings)
             return _run(run_controller(controller_settings))
         if command == "kubelet-plugin":
             plugin_settings = load_settings(PluginSettings, rest)
-            from computedomain.plugin.nvml_child import ChildNvmlSource
+            with imports_without_gc():
+                from computedomain.plugin.nvml_child import ChildNvmlSource
 
-            # The start-up NVML read runs in a child beside the agent's imports, not after them.
-            nvml = ChildNvmlSource(Path(plugin_settings.driver_root_mount)).start()
-            from computedomain.plugin.app import main as run_plugin
+                # The start-up NVML read runs in a child beside the agent's imports, not after them.
+                nvml = ChildNvmlSource(Path(plugin_settings.driver_root_mount)).start()
+                from computedomain.plugin.app import main as run_plugin
 
             configure_logging(plugin_settings)
             return _run(run_plugin(plugin_settings, nvml))

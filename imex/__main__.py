@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 def _daemon(command: str, rest: list[str]) -> int:
     from computedomain.settings import SettingsError, help_text, load_settings
+    from computedomain.startup import imports_without_gc
     from imex.daemon.settings import DaemonSettings
 
     if command in ("-h", "--help", "help"):
@@ -32,16 +33,17 @@ def _daemon(command: str, rest: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if command == "check":
-        from imex.daemon.check import check, report
+        with imports_without_gc():
+            from imex.daemon.check import check, report
 
         return report(asyncio.run(check(settings)))
     if command == "run":
-        from computedomain.logs import configure_logging
+        with imports_without_gc():
+            from computedomain.kube.config import ConfigError
+            from computedomain.logs import configure_logging
+            from imex.daemon.run import run_daemon
 
         configure_logging(settings)
-        from computedomain.kube.config import ConfigError
-        from imex.daemon.run import run_daemon
-
         try:
             return asyncio.run(run_daemon(settings))
         except ConfigError as exc:  # credentials it cannot use: one line, no traceback

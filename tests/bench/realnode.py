@@ -398,7 +398,7 @@ class RealBench:
             await asyncio.to_thread(release.install)
         try:
             bench.section.note(f"{mode}: chart installed, node agents and controller Ready in {release.install_s:.1f}s")
-            await self.start_ups(release)
+            await self.start_ups(release, when=f"{mode}, installed")
             if mode == "hostManaged":
                 for node in nodes.nodes:
                     nodes.start_host_imex(node)
@@ -581,9 +581,12 @@ class RealBench:
             self.f.wrapper_rss.note = _rss_note(rss, 1)
             self.f.daemon_cgroup.round([daemon_container.working_set_mib()])
 
-    async def start_ups(self, release: RealRelease, only: str = "") -> None:
-        """Process start -> serving of the running node agents (or only `only`) and the controller."""
+    async def start_ups(self, release: RealRelease, when: str, only: str = "") -> None:
+        """Process start -> serving of the running node agents (or only `only`) and the controller; a note
+        names each start, so that the slowest of a run can be told apart (installed with the others, a
+        replacement)."""
         pods = await asyncio.to_thread(release.items, "pods", release.driver_ns)
+        seen: list[str] = []
         by_node = {n.name: n for n in self.nodes.nodes}
         for pod in pods:
             node = by_node.get(pod["spec"].get("nodeName", ""))
@@ -604,6 +607,8 @@ class RealBench:
                 figure.failures += 1
                 continue
             figure.round([serving - started])
+            seen.append(f"{'node agent' if figure is self.f.agent_start else 'controller'} {serving - started:.2f}s")
+        self.bench.section.note(f"start -> serving ({when}): {', '.join(seen) or 'none measured'}")
 
     async def restarts(self, release: RealRelease, system: Pods) -> None:
         """Delete one node agent pod and the controller pod; measure their replacements' start-up."""
@@ -625,7 +630,7 @@ class RealBench:
 
         await wait_for(lambda: bool(replaced()), 180, "the node agent and the controller replaced and Ready")
         for name in replaced():
-            await self.start_ups(release, only=name)
+            await self.start_ups(release, when=f"{release.mode}, a replacement", only=name)
         await asyncio.to_thread(release.wait_installed)
 
 

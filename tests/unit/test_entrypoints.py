@@ -1,7 +1,8 @@
 """Each process's main and the CLI, run as processes: credentials they cannot use (a bad kubeconfig, a pod
 without its service account token) and an apiserver that does not answer are one line naming the file, the
 field or the address, never a traceback; ``KUBECONFIG=a:b`` is merged; and the in-pod path never imports
-kubernetes-asyncio (its loader is for kubeconfigs alone)."""
+kubernetes-asyncio (its loader is for kubeconfigs alone); each process imports without the garbage collector
+and freezes what its imports left (``computedomain.startup``)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,42 @@ def test_the_in_pod_path_never_imports_kubernetes_asyncio(tmp_path: Path) -> Non
         [sys.executable, "-c", IN_POD, str(tmp_path), ca], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "", f"the in-pod path imported {out.stdout.strip()}"
+
+
+# A process's `-m` entry run as `python -m` runs it; prints what the collector holds frozen, and whether it is on.
+UNDER_RUNPY = """
+import gc, runpy, sys
+module, sys.argv = sys.argv[1], sys.argv[1:]
+code = 0
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    code = exc.code
+print(gc.get_freeze_count(), gc.isenabled())
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("process", PROCESSES)
+def test_each_process_imports_without_the_collector_and_freezes_what_it_imported(process: str) -> None:
+    """`computedomain.startup`: the imports' objects are in the permanent generation, the collector on again."""
+    if Path("/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
+        pytest.skip("this machine is a pod with a service account token")
+    argv = PROCESSES[process]
+    out = _run(
+        ["-c", UNDER_RUNPY, *argv[1:]], {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    )
+    _one_error_line(out, "/var/run/secrets/kubernetes.io/serviceaccount/token")  # it got past its imports
+    frozen, enabled = out.stdout.split()
+    assert int(frozen) > 20_000, f"{process}: {frozen} objects frozen"
+    assert enabled == "True"
+
+
+def test_imports_without_gc_leaves_a_collector_that_was_off_off() -> None:
+    script = (
+        "import gc\nfrom computedomain.startup import imports_without_gc\ngc.disable()\n"
+        "with imports_without_gc():\n    inside = gc.isenabled()\n    import json\n"
+        "print(inside, gc.isenabled(), gc.get_freeze_count() > 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True"]
