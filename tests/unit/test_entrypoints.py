@@ -137,16 +137,21 @@ def test_the_in_pod_path_never_imports_kubernetes_asyncio(tmp_path: Path) -> Non
     assert out.stdout.strip() == "", f"the in-pod path imported {out.stdout.strip()}"
 
 
-# A process's `-m` entry run as `python -m` runs it; prints what the collector holds frozen, and whether it is on.
+# A process's `-m` entry run as `python -m` runs it. Prints the collections that began once the client stack
+# (aiohttp) was being imported and before anything was frozen, what the collector holds frozen, and whether it
+# is on.
 UNDER_RUNPY = """
 import gc, runpy, sys
+during = []
+gc.callbacks.append(lambda phase, info: phase == "start" and "aiohttp" in sys.modules
+                    and gc.get_freeze_count() == 0 and during.append(info["generation"]))
 module, sys.argv = sys.argv[1], sys.argv[1:]
 code = 0
 try:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 except SystemExit as exc:
     code = exc.code
-print(gc.get_freeze_count(), gc.isenabled())
+print(len(during), gc.get_freeze_count(), gc.isenabled())
 sys.exit(code)
 """
 
@@ -161,7 +166,8 @@ def test_each_process_imports_without_the_collector_and_freezes_what_it_imported
         ["-c", UNDER_RUNPY, *argv[1:]], {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
     )
     _one_error_line(out, "/var/run/secrets/kubernetes.io/serviceaccount/token")  # it got past its imports
-    frozen, enabled = out.stdout.split()
+    during, frozen, enabled = out.stdout.split()
+    assert during == "0", f"{process}: {during} collections while it imported its modules"
     assert int(frozen) > 20_000, f"{process}: {frozen} objects frozen"
     assert enabled == "True"
 
