@@ -10,20 +10,19 @@ When the daemon cannot be reached, ``-q`` prints ``UNAVAILABLE`` and a reason an
 
 Where it differs from the real binary: it is a Python program, so each run pays an interpreter start. To keep
 that near the C binary's few milliseconds it stays on blocking sockets and the standard library's cheapest
-modules (no asyncio, which alone costs 50-90 ms to import on the shared cores; the config parser only for
-``-c``): the node agent runs it for every hostManaged Prepare, and what the benchmarks measure there should
-be the agent's cost, not the stand-in's.
+modules (no asyncio, which alone costs 50-90 ms to import on the shared cores; no ``typing`` at run time;
+``pathlib`` and the config parser only for ``-c``), and its archive starts without ``site`` and with its
+bytecode (``tests.testbed.fake_driver_root.build``): the node agent runs it for every hostManaged Prepare,
+and what the benchmarks measure there should be the agent's cost, not the stand-in's.
 """
 
 from __future__ import annotations
 
-import argparse
+import getopt
 import json
 import socket
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
 from tests.testbed.imex_simulator.wire import MAX_LINE, ProtocolError, decode
 
@@ -31,6 +30,10 @@ from tests.testbed.imex_simulator.wire import MAX_LINE, ProtocolError, decode
 # imported: that module loads asyncio).
 UNAVAILABLE = "UNAVAILABLE"
 DEFAULT_CONFIG = "/etc/nvidia-imex/config.cfg"
+
+TYPE_CHECKING = False  # `typing` alone is 2 ms of a run
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class UnreachableError(Exception):
@@ -81,11 +84,17 @@ def _show(target: tuple[str, int] | str) -> str:
     return target if isinstance(target, str) else f"{target[0]}:{target[1]}"
 
 
-def _target(args: argparse.Namespace) -> tuple[str, int] | str:
+def _target(args: Args) -> tuple[str, int] | str:
     if args.unix:
         return str(args.unix)
     if args.ip:
-        return (args.ip[0], int(args.ip[1]))
+        return args.ip
+    if "site" not in sys.modules:  # started with -S (the archive's shebang): the `imex` package is installed
+        import site
+
+        site.main()
+    from pathlib import Path
+
     from imex.config import ImexConfig, ImexConfigError  # only here: the `-q -u` of every Prepare never needs it
 
     config = args.config or DEFAULT_CONFIG
@@ -113,19 +122,57 @@ def _print_domain(status: dict[str, Any], as_json: bool) -> None:
     print(f"Domain State: {status.get('domain')}")
 
 
+USAGE = (
+    "usage: nvidia-imex-ctl [-c CONFIG | -u SOCKET | -i IP PORT] (-q | -N [-j] | --sim-status) [-t MS]\n"
+    "  -c config file, -u (--u=) command service unix socket, -i command service address;\n"
+    "  -q the local daemon state, -N the domain status once (-j: JSON), --sim-status (simulator only) the\n"
+    "  whole status document; -t the whole exchange's timeout in milliseconds (default 5000)"
+)
+
+
+class Args:
+    """The parsed command line (getopt, not argparse: argparse and what it loads are 7 ms of every run)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        opts, rest = getopt.gnu_getopt(argv, "c:u:i:qNjt:h", ["u=", "sim-status", "help"])
+        self.config: str | None = None
+        self.unix: str | None = None
+        self.ip: tuple[str, int] | None = None
+        self.query = self.domain_once = self.json = self.sim_status = self.help = False
+        self.timeout_ms = 5000
+        for opt, value in opts:
+            if opt == "-c":
+                self.config = value
+            elif opt in ("-u", "--u"):
+                self.unix = value
+            elif opt == "-i":
+                if not rest:
+                    raise getopt.GetoptError("-i takes an IP and a port")
+                self.ip = (value, int(rest.pop(0)))
+            elif opt == "-t":
+                self.timeout_ms = int(value)
+            elif opt in ("-h", "--help"):
+                self.help = True
+                return
+            else:
+                setattr(
+                    self, {"-q": "query", "-N": "domain_once", "-j": "json", "--sim-status": "sim_status"}[opt], True
+                )
+        if rest:
+            raise getopt.GetoptError(f"unexpected arguments: {' '.join(rest)}")
+        if not (self.query or self.domain_once or self.sim_status):
+            raise getopt.GetoptError("one of -q, -N, --sim-status is required")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nvidia-imex-ctl", description="IMEX control simulator")
-    parser.add_argument("-c", dest="config", help="config file")
-    parser.add_argument("-u", "--u", dest="unix", help="command service unix socket")
-    parser.add_argument("-i", dest="ip", nargs=2, metavar=("IP", "PORT"), help="command service address")
-    parser.add_argument("-q", dest="query", action="store_true", help="print the local daemon state")
-    parser.add_argument("-N", dest="domain_once", action="store_true", help="print the domain status once")
-    parser.add_argument("-j", dest="json", action="store_true", help="JSON output for -N")
-    parser.add_argument("-t", dest="timeout_ms", type=int, default=5000, help="timeout in milliseconds")
-    parser.add_argument("--sim-status", action="store_true", help="simulator only: full status document")
-    args = parser.parse_args(argv)
-    if not (args.query or args.domain_once or args.sim_status):
-        parser.error("one of -q, -N, --sim-status is required")
+    try:
+        args = Args(sys.argv[1:] if argv is None else argv)
+    except (getopt.GetoptError, ValueError) as exc:  # ValueError: -t or -i's port not a number
+        print(f"nvidia-imex-ctl (simulated): {exc}\n{USAGE}", file=sys.stderr)
+        return 2
+    if args.help:
+        print(USAGE)
+        return 0
     try:
         target = _target(args)
     except ConfigError as exc:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # not at run time: the ctl shares this module and must start without asyncio
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not at run time: the ctl shares this module and must start without asyncio (or typing)
     import asyncio
+    from typing import Any
 
 MAX_LINE = 1 << 20
 

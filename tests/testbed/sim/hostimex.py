@@ -89,7 +89,7 @@ class HostImex:
         ctl.parent.mkdir(parents=True, exist_ok=True)
         ctl.write_text(
             "#!/bin/sh\n# The host's nvidia-imex-ctl: the IMEX simulator's (tests/testbed/sim/hostimex.py)\n"
-            f'PYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m tests.testbed.imex_simulator.ctl "$@"\n'
+            f'PYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -S -m tests.testbed.imex_simulator.ctl "$@"\n'
         )
         ctl.chmod(0o755)
         conf = node.host_path(IMEX_DIR)
