@@ -9,6 +9,8 @@ start-up, in order (each failure is one line on stderr and a non-zero exit; noth
      (if not: run, publish no devices, say why; never crash-loop);
   3. the checkpoint: the reference driver's file at the same path is taken over, a file that cannot be read is
      moved aside (a Warning Event on the Node and an error line name it: never a crash loop), boot-ID rule;
+     steps 1-3 call no API and run beside the apiserver's version check (`kube.version`, which refuses an
+     unsupported server); the first of them to fail ends the process;
   4. the Kubernetes client, the ComputeDomain (and clique) caches, the Preparer;
   5. gRPC: DRA socket first (with the kubelet's device health stream: `health`), then registration (the
      kubelet must never learn an endpoint that does not listen yet), health on TCP (the pod IP when POD_IP is
@@ -438,17 +440,15 @@ async def serve(settings: PluginSettings, stop: asyncio.Event, *, nvml_child: Ch
     client = await KubeClient.for_component(settings, field_manager=COMPONENT)
     http: HttpServer | None = None
     try:
-        try:
-            await require_supported(client, "the node agent")
-        except UnsupportedServerError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
         agent = NodeAgent(settings, client, make_discovery(settings, nvml_child=nvml_child))
         try:
-            await asyncio.to_thread(agent.prepare_startup)
+            # The node's own start-up (driver files, NVML, checkpoint, CDI; no API call) runs beside the version
+            # check, two round trips to an apiserver that at install is busy with everything else starting;
+            # whichever fails first is the one line (a bad driver root does not wait for a slow apiserver).
+            await asyncio.gather(require_supported(client, "the node agent"), asyncio.to_thread(agent.prepare_startup))
             if settings.http_endpoint:
                 http = await _start_http(settings, agent)
-        except StartupError as exc:
+        except (UnsupportedServerError, StartupError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         try:

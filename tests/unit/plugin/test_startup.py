@@ -5,6 +5,7 @@ becomes ready). Start-up fails before the first API request, so no cluster is ne
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -17,11 +18,13 @@ from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, lib_d
 REPO = Path(__file__).resolve().parents[3]
 
 
-def run_agent(tmp_path: Path, root: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def run_agent(
+    tmp_path: Path, root: Path, *, server: str = "https://127.0.0.1:1", **env: str
+) -> subprocess.CompletedProcess[str]:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        f"clusters: [{{name: c, cluster: {{server: '{server}'}}}}]\n"
         "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
     )
     environ = {
@@ -75,3 +78,16 @@ def test_missing_nvml_names_the_driver_root(tmp_path: Path, missing: str) -> Non
     result = run_agent(tmp_path, root)
     assert result.returncode == 1
     assert any(line.startswith(expected) for line in result.stderr.splitlines()), result.stderr
+
+
+def test_a_bad_driver_root_is_reported_while_the_apiserver_has_not_answered(tmp_path: Path) -> None:
+    # The version check and the node's own start-up run side by side: an apiserver that accepts and never
+    # answers (at install, a busy one) does not hold the driver root's error back until the check gives up.
+    root = write_fake_driver_root(tmp_path / "driver-root", tray(), imex=False)
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # connections complete in the kernel's backlog; nothing ever reads or answers them
+        result = run_agent(tmp_path, root, server=f"https://127.0.0.1:{mute.getsockname()[1]}")
+    assert result.returncode == 1
+    assert any(line.startswith("error: nvidia-imex not found under driver root") for line in result.stderr.splitlines())
+    assert "could not ask the apiserver for its version" not in result.stderr, result.stderr
