@@ -142,6 +142,8 @@ class ImexProcess:
         self._wanted = False
         self._failures = 0
         self.starts = 0
+        #: set once the first child was spawned (the readiness mirror's early check waits for it)
+        self.spawned = asyncio.Event()
         self.unexpected_exits = 0
         self.reloads = ReloadCoalescer(self._send_sigusr1, interval=reload_interval, clock=self._clock)
 
@@ -218,6 +220,7 @@ class ImexProcess:
         )
         self._child_started = self._clock.now()
         self.starts += 1
+        self.spawned.set()
         self.reloads.reset()
         self._pump = asyncio.get_running_loop().create_task(self._copy_output(self._child))
         log.info("started %s pid=%d argv=%s", self.name, self._child.pid, " ".join(self.argv))

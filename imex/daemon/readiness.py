@@ -8,9 +8,11 @@ event, and each event is mirrored at once; there is no periodic resync to wait f
 
 Before the kubelet first marks our pod Ready, the entry follows the daemon's own check instead: the startup
 probe asks it only once a second, so a daemon whose IMEX turned READY just after a probe would keep its first
-pod's Prepare waiting for the next one. Our own check (the same ctl query the
-probe runs) is asked every ``EARLY_MIN_S`` at first, backing off to ``EARLY_MAX_S``, and the entry is Ready
-from its first READY; from the pod's first Ready on, the pod's condition alone decides, as above. The kubelet
+pod's Prepare waiting for the next one. Our own check (the same ctl query the probe runs) is asked from the
+moment ``nvidia-imex`` is spawned (``imex_started``; a query before it only finds nothing listening),
+``EARLY_MIN_S`` apart at first and ``EARLY_GROWTH`` times longer each time up to ``EARLY_MAX_S``, so that a
+daemon READY within a tenth of a second is seen within a few hundredths. The entry is Ready from its first
+READY; from the pod's first Ready on, the pod's condition alone decides, as above. The kubelet
 sees the same READY at its next probe, so the two agree within a probe period; a check that turns not ready
 again before that takes the entry back to NotReady.
 
@@ -47,8 +49,9 @@ log = logging.getLogger(__name__)
 
 _KEY = "readiness"
 
-#: how often our own check is asked before the pod's first Ready: at first, and at most
-EARLY_MIN_S: Final = 0.1
+#: how often our own check is asked before the pod's first Ready: at first, the growth per check, at most
+EARLY_MIN_S: Final = 0.02
+EARLY_GROWTH: Final = 1.5
 EARLY_MAX_S: Final = 1.0
 
 
@@ -79,10 +82,12 @@ class ReadinessMirror:
         retries: Retries = DEFAULT_RETRIES,
         clock: Clock | None = None,
         own_check: Callable[[], Awaitable[CheckResult]] | None = None,
+        imex_started: asyncio.Event | None = None,
     ) -> None:
         self.registry = registry
         self.clock = clock or MonotonicClock()
         self.own_check = own_check
+        self.imex_started = imex_started
         self.pod_was_ready = False  # from the pod's first Ready on, its condition alone decides
         self.check_ready = False  # our own check's latest verdict, until then
         self.namespace = namespace
@@ -118,9 +123,11 @@ class ReadinessMirror:
         await self.loop.run()
 
     async def _until_pod_ready(self) -> None:
+        if self.imex_started is not None:
+            await self.imex_started.wait()
         poll = retrying(
             self.clock,
-            wait=wait_exponential(multiplier=EARLY_MIN_S, min=EARLY_MIN_S, max=EARLY_MAX_S),
+            wait=wait_exponential(multiplier=EARLY_MIN_S, exp_base=EARLY_GROWTH, min=EARLY_MIN_S, max=EARLY_MAX_S),
             retry=retry_if_result(lambda done: not done),
         )
         await poll(self.early_once)

@@ -158,6 +158,7 @@ def build(settings: DaemonSettings, client: KubeClient) -> Daemon:
         pod_uid=settings.pod_uid,
         retries=retries,
         own_check=functools.partial(check, settings),
+        imex_started=process.spawned,
     )
     return Daemon(settings, client, registry, process, peers, readiness)
 

@@ -40,7 +40,7 @@ import re
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -199,17 +199,24 @@ class Container:
         return float("nan")
 
 
-def _log_time(release: RealRelease, ns: str, pod: str, container: str, needle: str) -> float | None:
-    """containerd's timestamp of the first log line of `container` that contains `needle`."""
+def _log_times(release: RealRelease, ns: str, pod: str, container: str, needles: Iterable[str]) -> dict[str, float]:
+    """containerd's timestamp of the first log line of `container` that contains each of `needles` (those found)."""
     text = release.kubectl("logs", "-n", ns, pod, "-c", container, "--timestamps", check=False)
+    found: dict[str, float] = {}
     for line in text.splitlines():
         stamp, _, rest = line.partition(" ")
-        if needle in rest:
-            with contextlib.suppress(ValueError):
-                # RFC 3339 with nanoseconds: Python parses microseconds.
-                stamp = re.sub(r"(\.\d{6})\d*", r"\1", stamp).replace("Z", "+00:00")
-                return datetime.fromisoformat(stamp).timestamp()
-    return None
+        for needle in needles:
+            if needle in rest and needle not in found:
+                with contextlib.suppress(ValueError):
+                    # RFC 3339 with nanoseconds: Python parses microseconds.
+                    stamp = re.sub(r"(\.\d{6})\d*", r"\1", stamp).replace("Z", "+00:00")
+                    found[needle] = datetime.fromisoformat(stamp).timestamp()
+    return found
+
+
+def _log_time(release: RealRelease, ns: str, pod: str, container: str, needle: str) -> float | None:
+    """containerd's timestamp of the first log line of `container` that contains `needle`."""
+    return _log_times(release, ns, pod, container, (needle,)).get(needle)
 
 
 # --- the benchmark --------------------------------------------------------------------------------------
@@ -290,7 +297,15 @@ class Pods:
             await asyncio.gather(self.task, return_exceptions=True)
 
 
-# Where the first pod's time goes: the moments of its chain, each the first watch event that shows it.
+# Where the first pod's time goes: the moments of its chain, each the first watch event that shows it, and
+# inside the IMEX daemon's container its wrapper's start and the lines it logs (containerd's timestamps).
+DAEMON_CONTAINER = "compute-domain-daemon"
+DAEMON_LINES = {
+    "daemon-starting": "starting daemon",
+    "daemon-slot": "our slot",
+    "imex-started": "started nvidia-imex",
+    "daemon-ready": "status=Ready (",
+}
 STEPS = {
     "driverManaged": (
         ("allocated", "its claim allocated"),
@@ -298,8 +313,13 @@ STEPS = {
         ("labelled", "node labelled with the domain (the controller saw the allocation)"),
         ("daemon-created", "IMEX daemon pod created (DaemonSet)"),
         ("daemon-bound", "IMEX daemon pod bound"),
+        ("daemon-process", "IMEX daemon wrapper process started (its kernel start time)"),
         ("daemon-running", "IMEX daemon pod Running"),
+        ("daemon-starting", "wrapper logged `starting daemon` (imports, version check and probe server done)"),
         ("entry", "daemon's clique entry written"),
+        ("daemon-slot", "wrapper logged `our slot` (registered)"),
+        ("imex-started", "wrapper logged `started nvidia-imex`"),
+        ("daemon-ready", "wrapper logged its readiness `status=Ready`"),
         ("entry-ready", "daemon's clique entry Ready"),
         ("running", "pod Running"),
     ),
@@ -462,7 +482,11 @@ class RealBench:
             watcher = asyncio.create_task(at_daemon_running()) if mode == "driverManaged" else None
             try:
                 claim.append(await self.pod_running(release, work, name, node, template, timeline))
-                for step, at in timeline.since_create().items():
+                marks = timeline.since_create()
+                if mode == "driverManaged":
+                    inside = await asyncio.to_thread(_daemon_marks, release, system, node)
+                    marks.update({step: at - timeline.t0 for step, at in inside.items()})
+                for step, at in marks.items():
                     steps.setdefault(step, []).append(at)
             finally:
                 if watcher is not None:
@@ -632,6 +656,21 @@ class RealBench:
         for name in replaced():
             await self.start_ups(release, when=f"{release.mode}, a replacement", only=name)
         await asyncio.to_thread(release.wait_installed)
+
+
+def _daemon_marks(release: RealRelease, system: Pods, node: Node) -> dict[str, float]:
+    """When the IMEX daemon of `node` started its wrapper and logged each of `DAEMON_LINES` (those seen)."""
+    daemon = next((p for p in system.seen.values() if COMPUTE_DOMAIN_LABEL in (p["metadata"].get("labels") or {})
+                   and p["spec"].get("nodeName") == node.name and not p["metadata"].get("deletionTimestamp")), None)  # fmt: skip
+    if daemon is None:
+        return {}
+    marks: dict[str, float] = {}
+    container = Container.of(node, daemon, DAEMON_CONTAINER)
+    if container is not None and (started := container.started_at()) is not None:
+        marks["daemon-process"] = started
+    lines = _log_times(release, release.driver_ns, daemon["metadata"]["name"], DAEMON_CONTAINER, DAEMON_LINES.values())
+    marks.update({step: lines[needle] for step, needle in DAEMON_LINES.items() if needle in lines})
+    return marks
 
 
 def _rss_note(rss: dict[str, float], processes: int) -> str:

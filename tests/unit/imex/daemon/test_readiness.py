@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from typing import Any, cast
@@ -10,6 +11,7 @@ import pytest
 
 from computedomain.api.models import ReadyStatus
 from computedomain.kube.client import COMPUTE_DOMAIN_CLIQUES, KubeClient
+from computedomain.kube.clock import FakeClock
 from imex.daemon.check import CheckResult
 from imex.daemon.readiness import ReadinessMirror, pod_status
 from imex.daemon.registration import CliqueBackend, Identity, Registry, pod_owner_reference
@@ -119,3 +121,34 @@ async def test_before_the_pods_first_ready_the_entry_follows_our_own_check(monke
     assert await mirror.early_once() is True and answers == []
     current["pod"] = pod(ready="False")
     assert await mirror.mirror_once() is ReadyStatus.NOT_READY and status() == "NotReady"
+
+
+async def test_the_early_check_begins_when_imex_is_spawned_and_asks_often_at_first() -> None:
+    """No query before nvidia-imex exists; then 20 ms, 30 ms, 45 ms ... apart (at most 1 s), so a daemon
+    READY a tenth of a second after its spawn is seen within a few hundredths."""
+    api, registry, _status = await registered()
+    clock = FakeClock()
+    asked: list[float] = []
+
+    async def own_check() -> CheckResult:
+        asked.append(clock.now())
+        return CheckResult(False, "IMEX daemon not ready: state UNAVAILABLE")
+
+    spawned = asyncio.Event()
+    mirror = ReadinessMirror(
+        cast(KubeClient, api), registry, namespace="ns", pod_name="p", pod_uid="u1",
+        clock=clock, own_check=own_check, imex_started=spawned,
+    )  # fmt: skip
+    poll = asyncio.create_task(mirror._until_pod_ready())
+    try:
+        await clock.advance(5.0)
+        assert asked == [], "asked before nvidia-imex was spawned"
+        spawned.set()
+        start = clock.now()
+        await clock.advance(6.0)
+        gaps = [b - a for a, b in zip([start, *asked], asked, strict=False)]
+        assert gaps[:6] == pytest.approx([0.0, 0.02, 0.03, 0.045, 0.0675, 0.10125])
+        assert max(gaps) == pytest.approx(1.0) and sum(1 for at in asked if at - start <= 0.2) == 5
+    finally:
+        poll.cancel()
+        await asyncio.gather(poll, return_exceptions=True)
