@@ -321,11 +321,13 @@ STEPS = {
         ("imex-started", "wrapper logged `started nvidia-imex`"),
         ("daemon-ready", "wrapper logged its readiness `status=Ready`"),
         ("entry-ready", "daemon's clique entry Ready"),
+        ("agent-prepared", "node agent logged `prepared` (its Prepare of the claim returns)"),
         ("running", "pod Running"),
     ),
     "hostManaged": (
         ("allocated", "its claim allocated"),
         ("bound", "pod bound to the node"),
+        ("agent-prepared", "node agent logged `prepared` (its Prepare of the claim returns)"),
         ("running", "pod Running"),
     ),
 }
@@ -483,9 +485,8 @@ class RealBench:
             try:
                 claim.append(await self.pod_running(release, work, name, node, template, timeline))
                 marks = timeline.since_create()
-                if mode == "driverManaged":
-                    inside = await asyncio.to_thread(_daemon_marks, release, system, node)
-                    marks.update({step: at - timeline.t0 for step, at in inside.items()})
+                inside = await asyncio.to_thread(_log_marks, release, system, node, f"{release.workload_ns}/{name}-")
+                marks.update({step: at - timeline.t0 for step, at in inside.items()})
                 for step, at in marks.items():
                     steps.setdefault(step, []).append(at)
             finally:
@@ -658,13 +659,18 @@ class RealBench:
         await asyncio.to_thread(release.wait_installed)
 
 
-def _daemon_marks(release: RealRelease, system: Pods, node: Node) -> dict[str, float]:
-    """When the IMEX daemon of `node` started its wrapper and logged each of `DAEMON_LINES` (those seen)."""
+def _log_marks(release: RealRelease, system: Pods, node: Node, claim_prefix: str) -> dict[str, float]:
+    """When the node agent of `node` logged that it prepared the claim named `claim_prefix`..., and the IMEX
+    daemon there (driverManaged) started its wrapper and logged each of `DAEMON_LINES` (those seen)."""
+    marks: dict[str, float] = {}
+    agent = _agent(system, node.name)
+    needle = f"prepared claim={claim_prefix}"
+    if (prepared := _log_time(release, release.driver_ns, agent, "compute-domains", needle)) is not None:
+        marks["agent-prepared"] = prepared
     daemon = next((p for p in system.seen.values() if COMPUTE_DOMAIN_LABEL in (p["metadata"].get("labels") or {})
                    and p["spec"].get("nodeName") == node.name and not p["metadata"].get("deletionTimestamp")), None)  # fmt: skip
     if daemon is None:
-        return {}
-    marks: dict[str, float] = {}
+        return marks
     container = Container.of(node, daemon, DAEMON_CONTAINER)
     if container is not None and (started := container.started_at()) is not None:
         marks["daemon-process"] = started
