@@ -243,6 +243,13 @@ class Figures:
         }
         self.further_ratio = {m: fig(f"further-ratio-{m}", f"{m}: further pod / no claim (round medians)", unit="x",
                                      target=Target("max", 1.2, "< 1.2x")) for m in MODES}  # fmt: skip
+        self.floor = fig(
+            "floor-driverManaged",
+            "driverManaged: the least a first pod can take while its domain's IMEX daemon is a pod the DaemonSet "
+            "starts at allocation: the daemon wrapper process's start + its nvidia-imex spawn -> Ready + the "
+            "kubelet after Prepare, nothing for the wrapper or the node agent (round medians) / no claim",
+            unit="x",
+        )
         self.steps = {m: {step: fig(f"step-{m}-{step}", f"{m}: first pod's create -> {title}") for step, title in STEPS[m]}
                       for m in MODES}  # fmt: skip
         self.prepare = {m: fig(f"prepare-{m}", f"{m}: node agent Prepare of the channel claim") for m in MODES}
@@ -461,6 +468,7 @@ class RealBench:
         prepares: list[float] = []
         unprepares: list[float] = []
         daemon_prepares: list[float] = []
+        floors: list[float] = []
         missed = missed_unprepare = 0
         for sample in range(self.samples):
             name = f"plain-{index}-{sample}"
@@ -489,6 +497,8 @@ class RealBench:
                 marks.update({step: at - timeline.t0 for step, at in inside.items()})
                 for step, at in marks.items():
                     steps.setdefault(step, []).append(at)
+                if (floor := _floor(marks)) is not None:
+                    floors.append(floor)
             finally:
                 if watcher is not None:
                     with contextlib.suppress(TimeoutError):
@@ -537,6 +547,8 @@ class RealBench:
         self.f.unprepare[mode].round(unprepares)
         if daemon_prepares:
             self.f.daemon_prepare.round(daemon_prepares)
+        if floors:
+            self.f.floor.round([statistics.median(floors) / statistics.median(plain)])
         if missed:
             self.f.prepare[mode].note = f"{missed} sample(s) not taken: more than one Prepare call between two scrapes"
         if missed_unprepare:
@@ -677,6 +689,18 @@ def _log_marks(release: RealRelease, system: Pods, node: Node, claim_prefix: str
     lines = _log_times(release, release.driver_ns, daemon["metadata"]["name"], DAEMON_CONTAINER, DAEMON_LINES.values())
     marks.update({step: lines[needle] for step, needle in DAEMON_LINES.items() if needle in lines})
     return marks
+
+
+def _floor(marks: dict[str, float]) -> float | None:
+    """The first pod's time without anything of the wrapper's or the node agent's own (driverManaged): the
+    kubelet's start of the daemon pod up to its wrapper process, nvidia-imex from its spawn to the wrapper's
+    `status=Ready`, and the kubelet from the node agent's Prepare to the pod Running. None when a mark is
+    missing (hostManaged has no daemon)."""
+    needed = ("daemon-process", "imex-started", "daemon-ready", "agent-prepared", "running")
+    if any(step not in marks for step in needed):
+        return None
+    imex = marks["daemon-ready"] - marks["imex-started"]
+    return marks["daemon-process"] + imex + (marks["running"] - marks["agent-prepared"])
 
 
 def _rss_note(rss: dict[str, float], processes: int) -> str:
