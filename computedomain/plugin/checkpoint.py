@@ -582,6 +582,10 @@ class CheckpointStore:
         self.lock = FileLock(directory / LOCK_FILE, timeout_s=lock_timeout_s)
         self.boot_id_path = boot_id_path
         self.cdi_root = cdi_root
+        # The last text of our format read or written here and its checkpoint: a file that still holds
+        # exactly that text is not parsed, checked and validated again (a Prepare reads the file three
+        # times, each read O(entries), tombstones included). One tuple, swapped whole: threads read it.
+        self._decoded: tuple[str, Checkpoint] | None = None
 
     # -- reads
 
@@ -602,7 +606,13 @@ class CheckpointStore:
         text = self._text()
         if text is None:
             return Checkpoint(), None
-        return decode(text, self.path, cdi_root=self.cdi_root)
+        decoded = self._decoded
+        if decoded is not None and decoded[0] == text:
+            return decoded[1], None
+        cp, layout = decode(text, self.path, cdi_root=self.cdi_root)
+        if layout is None:
+            self._decoded = (text, cp)
+        return cp, layout
 
     def read(self) -> Checkpoint:
         """The current content, without the lock. A missing file reads as an empty, unstamped checkpoint."""
@@ -611,7 +621,9 @@ class CheckpointStore:
     # -- writes (callers must hold the lock)
 
     def _write(self, cp: Checkpoint) -> None:
-        write_atomically(self.path, dumps(cp), mode=0o600, tmp_prefix=_TMP_PREFIX)
+        text = dumps(cp)
+        write_atomically(self.path, text, mode=0o600, tmp_prefix=_TMP_PREFIX)
+        self._decoded = (text, cp)  # `loads(dumps(cp)) == cp`: what a read of this text would give
 
     def update(self, change: Callable[[Checkpoint], tuple[Checkpoint, T]]) -> T:
         """Read-modify-write under the lock. `change` is a pure function returning (new checkpoint, value);

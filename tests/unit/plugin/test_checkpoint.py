@@ -236,6 +236,36 @@ def test_open_creates_stamped_file_and_round_trips(store: CheckpointStore) -> No
     assert entry["devices"][0]["cdiDeviceIDs"] == list(DEVICE.cdi_device_ids)
 
 
+def test_what_is_written_reads_back_equal_from_the_text(store: CheckpointStore) -> None:
+    # The store keeps the checkpoint it wrote beside its text and serves it while the file holds that text;
+    # this is what makes that the same as parsing it.
+    cp = ck.complete_prepare(begin(Checkpoint(bootID="boot-1")), UID_A, [DEVICE], now=T0 + timedelta(microseconds=7))
+    cp, _ = ck.reconcile_boot(cp, "boot-2")  # A demoted, with a note
+    cp = ck.finish_unprepare(begin(cp, UID_B), UID_B, now=T0 + timedelta(seconds=1))
+    assert cp.claims[UID_A].note and cp.claims[UID_B].state.is_tombstone and cp.claims[UID_B].tombstoned_at
+    assert ck.loads(ck.dumps(cp), store.path) == cp
+
+
+def test_a_file_that_still_holds_the_text_read_or_written_is_not_decoded_again(
+    store: CheckpointStore, boot_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoded: list[int] = []
+    real = ck.decode
+    monkeypatch.setattr(ck, "decode", lambda *a, **kw: decoded.append(1) or real(*a, **kw))
+    store.update(_add(UID_A))
+    store.read()
+    store.update(lambda cp: (ck.complete_prepare(cp, UID_A, [DEVICE], now=T0), None))
+    assert store.read().claims[UID_A].state == ClaimState.PREPARE_COMPLETED
+    assert decoded == []  # every read found the text this store had written last
+    other = CheckpointStore(store.path.parent, boot_id_path=boot_file, lock_timeout_s=2.0)  # another process
+    other.update(_add(UID_B))
+    assert set(store.read().claims) == {UID_A, UID_B} and decoded == [1, 1]  # other's own read, then ours
+    assert set(store.read().claims) == {UID_A, UID_B} and decoded == [1, 1]
+    store.path.write_text(store.path.read_text().replace(UID_B, UID_B.upper()))  # edited by hand
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+        store.read()
+
+
 def test_update_returns_value_and_skips_unchanged_writes(store: CheckpointStore) -> None:
     before = store.path.stat().st_ino
     assert store.update(lambda cp: (cp, "same")) == "same"
