@@ -12,7 +12,8 @@ simulator chrooted into each node's driver root). Per round, on the first node, 
   mode the controller labels the node once the claim is allocated there, which brings the domain's IMEX
   daemon, and the claim's Prepare returns once that daemon's entry is Ready: each sample starts on a node
   without the daemon (the previous one is gone), as a job's first pod on a node does. In hostManaged mode it runs the chrooted `nvidia-imex-ctl -q`.
-- the node agent's Prepare and Unprepare of that claim, from its own `nvidia_dra_request_duration_seconds`
+- the node agent's Prepare of the first pod's claim and Unprepare of the further pod's (the one Unprepare
+  that nothing else follows closely in either mode), from its own `nvidia_dra_request_duration_seconds`
   (scraped through the apiserver's pod proxy before and after each call: a sample is taken only where
   exactly one call happened in between, so it is that call's duration; driverManaged's daemon claim gets a
   figure of its own);
@@ -253,7 +254,8 @@ class Figures:
         self.steps = {m: {step: fig(f"step-{m}-{step}", f"{m}: first pod's create -> {title}") for step, title in STEPS[m]}
                       for m in MODES}  # fmt: skip
         self.prepare = {m: fig(f"prepare-{m}", f"{m}: node agent Prepare of the channel claim") for m in MODES}
-        self.unprepare = {m: fig(f"unprepare-{m}", f"{m}: node agent Unprepare of the channel claim") for m in MODES}
+        self.unprepare = {m: fig(f"unprepare-{m}", f"{m}: node agent Unprepare of the further pod's channel claim")
+                          for m in MODES}  # fmt: skip
         self.daemon_prepare = fig("prepare-daemon", "driverManaged: node agent Prepare of the daemon's claim")
         self.agent_rss = fig("agent-rss", "node agent RSS, claim prepared (container's processes)", unit="MiB",
                              target=Target("max", 64.0, "< 64 MiB"))  # fmt: skip
@@ -521,16 +523,19 @@ class RealBench:
             second = f"further-{index}-{sample}"
             further.append(await self.pod_running(release, work, second, node, template))
             await self.delete_pod(release, work, second)
-            await self.wait_calls(release, agent, after, "unprepare")  # its own, before the first one's baseline
-            after = await self.calls(release, agent)
-            # The kubelet unprepares once the pod's containers are gone, around the time the object goes;
-            # in driverManaged the daemon's claim follows soon after: scrape from the delete request on.
-            await work.informer.client.delete(PODS, name, namespace=release.workload_ns)
+            # The Unprepare sampled is the further pod's: nothing else is unprepared beside it, in either mode.
+            # (In driverManaged the first pod's, below, shared its scrape window with another Unprepare in every
+            # sample of a run; the daemon claim's comes about 0.4 s after it.)
             unprepared = await self.wait_calls(release, agent, after, "unprepare")
             if unprepared is not None:
                 unprepares.append(unprepared)
             else:
                 missed_unprepare += 1
+            after = await self.calls(release, agent)
+            # The kubelet unprepares once the pod's containers are gone, around the time the object goes:
+            # scrape from the delete request on.
+            await work.informer.client.delete(PODS, name, namespace=release.workload_ns)
+            await self.wait_calls(release, agent, after, "unprepare")
             await wait_for(lambda: name not in work.seen, 120, f"pod {name} deleted")  # noqa: B023
             if mode == "driverManaged":  # the next sample starts on a node without the daemon
                 await wait_for(lambda: not any(COMPUTE_DOMAIN_LABEL in (p["metadata"].get("labels") or {})
