@@ -15,8 +15,10 @@ e.g. ``x86_64-linux-gnu``):
   ``write_nvml_answers`` rewrites it (atomically) while the service runs, as Fabric Manager would change
   a GPU's registration;
 - ``etc/ld.so.cache``: lists ``libnvidia-ml.so.1``, as a GPU Operator driver container's cache does;
-- ``usr/bin/nvidia-imex``, ``usr/bin/nvidia-imex-ctl``: the IMEX simulator (``tests.testbed.imex_simulator``)
-  as zip applications, which the node agent's base CDI spec hands to the IMEX daemon containers.
+- ``usr/bin/nvidia-imex``, ``usr/bin/nvidia-imex-ctl``: the IMEX simulator (``tests.testbed.imex_simulator``),
+  which the node agent's base CDI spec hands to the IMEX daemon containers: ``nvidia-imex`` as a zip
+  application, ``nvidia-imex-ctl`` native for the two queries the service runs (``build.native_imex_ctl``),
+  with the simulator's ctl beside it as ``nvidia-imex-ctl.sim`` for every other command line.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from imex.procfs import (
     PROC_DEVICES,
     PROC_PARAMS,
 )
-from tests.testbed.fake_driver_root.build import imex_simulator_apps, mock_nvml_library
+from tests.testbed.fake_driver_root.build import SIMULATED_CTL, imex_simulator_apps, mock_nvml_library, native_imex_ctl
 from tests.testbed.fake_driver_root.ldcache import render_ld_cache
 from tests.testbed.fake_driver_root.topology import (
     DEFAULT_DRIVER_VERSION,
@@ -191,8 +193,10 @@ def write_fake_driver_root(
     if imex:
         bin_dir = root / "usr/bin"
         bin_dir.mkdir(parents=True, exist_ok=True)
-        for name, app in imex_simulator_apps(interpreter).items():
-            shutil.copy2(app, bin_dir / name)
+        apps = imex_simulator_apps(interpreter)
+        shutil.copy2(apps["nvidia-imex"], bin_dir / "nvidia-imex")
+        shutil.copy2(apps["nvidia-imex-ctl"], bin_dir / SIMULATED_CTL)  # what the native ctl hands on
+        shutil.copy2(native_imex_ctl(), bin_dir / "nvidia-imex-ctl")
     return root
 
 

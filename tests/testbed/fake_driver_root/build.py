@@ -2,6 +2,10 @@
 
 - ``mock_nvml_library()``: ``mock_nvml.c`` compiled with the machine's C compiler into a shared library
   with soname ``libnvidia-ml.so.1`` (the stand-in for NVML, see the C file's header for where it differs).
+- ``native_imex_ctl()``: ``fast_ctl.go`` built with the machine's Go toolchain into a static
+  ``nvidia-imex-ctl`` that answers the service's two queries (``-q -u <socket>``, ``-c <cfg> -q``) without an
+  interpreter, as the C binary does in milliseconds, and runs the simulator's ctl (``SIMULATED_CTL`` beside
+  it) for anything else; see the Go file's header.
 - ``imex_simulator_apps(interpreter)``: the IMEX simulator as two self-contained Python zip applications,
   ``nvidia-imex`` and ``nvidia-imex-ctl``: one file each, like the NVIDIA binaries, so a CDI spec can
   mount them into a container and the daemon finds them on its PATH. They need the ``imex`` package
@@ -34,6 +38,9 @@ from typing import Final
 
 HERE: Final = Path(__file__).resolve().parent
 MOCK_NVML_SOURCE: Final = HERE / "mock_nvml.c"
+NATIVE_CTL_SOURCE: Final = HERE / "fast_ctl.go"
+#: where a driver root keeps the simulator's ctl, beside the native one that hands it other command lines
+SIMULATED_CTL: Final = "nvidia-imex-ctl.sim"
 SIMULATOR: Final = HERE.parent / "imex_simulator"
 CFLAGS: Final = (
     "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-fvisibility=hidden",
@@ -91,6 +98,30 @@ def mock_nvml_library() -> Path:
         )
         if result.returncode != 0:
             raise BuildError(f"building the mock libnvidia-ml.so.1 failed: {result.stderr.strip()[-2000:]}")
+
+    return _publish(target, build)
+
+
+def native_imex_ctl() -> Path:
+    """The native ``nvidia-imex-ctl`` (``fast_ctl.go``, static, no cgo), built on first use."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not Path(go).is_file():
+        raise BuildError(
+            f"no Go toolchain (go on PATH): the fake driver root's nvidia-imex-ctl is built from {NATIVE_CTL_SOURCE}"
+        )
+    version = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True, timeout=60).stdout.strip()
+    digest = hashlib.sha256(NATIVE_CTL_SOURCE.read_bytes() + version.encode() + os.uname().machine.encode())
+    target = cache_root() / f"imex-ctl-{digest.hexdigest()[:16]}" / "nvidia-imex-ctl"
+
+    def build(tmp: Path) -> None:
+        env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "",
+               "GOCACHE": os.environ.get("GOCACHE") or str(cache_root() / "go-build")}  # fmt: skip
+        result = subprocess.run(
+            [go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(tmp), NATIVE_CTL_SOURCE.name],
+            cwd=HERE, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise BuildError(f"building the native nvidia-imex-ctl failed: {result.stderr.strip()[-2000:]}")
 
     return _publish(target, build)
 

@@ -298,3 +298,40 @@ def test_ctl_gives_up_on_a_daemon_that_never_answers_and_loads_no_asyncio(sim_bi
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "asyncio" not in imported  # each hostManaged Prepare runs it: its start must stay cheap
     assert "timed out" in out.stderr
+
+
+def test_the_driver_roots_native_ctl_answers_like_the_simulators_and_hands_on_the_rest(
+    sim_domain: MakeDomain, tmp_path: Path
+) -> None:
+    # What a fake driver root carries: the native ctl for the service's two queries, the simulator's beside it.
+    import shutil
+
+    from tests.testbed.fake_driver_root.build import SIMULATED_CTL, native_imex_ctl
+
+    domain = sim_domain(2, slots=2)
+    a = domain.nodes[0]
+    sock = a.dir / "imex_ctrl.sock"
+    a.cfg.write_text(a.cfg.read_text().replace("IMEX_CMD_UNIX_DOMAIN_PATH=", f"IMEX_CMD_UNIX_DOMAIN_PATH={sock}"))
+    root_bin = tmp_path / "root-bin"
+    root_bin.mkdir()
+    native = root_bin / "nvidia-imex-ctl"
+    shutil.copy2(native_imex_ctl(), native)
+    shutil.copy2(domain.bin_dir / "nvidia-imex-ctl", root_bin / SIMULATED_CTL)
+
+    def both(*args: str) -> tuple[tuple[int, str], tuple[int, str]]:
+        runs = [subprocess.run([str(ctl), *args], capture_output=True, text=True, timeout=60)
+                for ctl in (native, domain.bin_dir / "nvidia-imex-ctl")]  # fmt: skip
+        return (runs[0].returncode, runs[0].stdout), (runs[1].returncode, runs[1].stdout)
+
+    down = both("-q", "-u", str(sock))  # nothing listens yet
+    assert down[0] == down[1] == (1, "UNAVAILABLE\n")
+    domain.start(a)
+    wait_until("a waits for its peer", lambda: a.state() == "WAITING_FOR_PEERS")
+    for args in (["-c", str(a.cfg), "-q"], ["-q", "-u", str(sock)], ["-u", str(sock), "-q"], ["-q", f"--u={sock}"]):
+        native_run, simulated_run = both(*args)
+        assert native_run == simulated_run == (0, "WAITING_FOR_PEERS\n"), args
+    native_run, simulated_run = both("-c", str(a.cfg), "-N", "-j")  # not one of the two: the simulator's answers
+    assert native_run == simulated_run and json.loads(native_run[1])["nodeId"] == 0
+    (root_bin / SIMULATED_CTL).unlink()
+    alone = subprocess.run([str(native), "-N", "-c", str(a.cfg)], capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "answers only -q" in alone.stderr and SIMULATED_CTL in alone.stderr
