@@ -102,6 +102,7 @@ def mock_nvml_library() -> Path:
     return _publish(target, build)
 
 
+@functools.cache  # once per process: every fake driver root copies it, and `go env` is a process of its own
 def native_imex_ctl() -> Path:
     """The native ``nvidia-imex-ctl`` (``fast_ctl.go``, static, no cgo), built on first use."""
     go = shutil.which("go") or "/usr/local/go/bin/go"
