@@ -12,8 +12,9 @@ on a real checkpoint (fsync'd) and CDI directory:
 2. `ready, cluster`: the agent as a process against the local control plane (claim GET, node label GET) when
    `make cluster-up` runs one;
 3. `hostManaged`: chroot into a driver root (read-only bind mounts; needs root) and run `nvidia-imex-ctl -q -u`
-   for every Prepare: once with a native stand-in ctl (a shell script printing READY: the exec cost of a
-   C binary) and once with the IMEX simulator's Python ctl against the simulated host daemon;
+   for every Prepare against the simulated host daemon: once with the fake driver root's native ctl (a static
+   program that asks the daemon's socket, in about the milliseconds of the C binary) and once with the IMEX
+   simulator's Python ctl;
 4. `50 claims at once`: one NodePrepareResources call with 50 daemon claims (each its own domain).
 
 Each Prepare is followed by an Unprepare (one channel per node) outside the measured time; tombstones are
@@ -46,6 +47,7 @@ from tests.bench.figures import Figure, Target
 from tests.bench.harness import Bench, cd_body
 from tests.testbed import image, serviceaccount
 from tests.testbed.fake_driver_root import SimulatedClique, SimulatedNode, write_fake_driver_root
+from tests.testbed.fake_driver_root.build import native_imex_ctl
 from tests.testbed.imex_simulator.wrappers import install_wrappers, package_root
 from tests.testbed.kubelet_client import KubeletClient
 from tests.testbed.nodes import gb200_node
@@ -214,7 +216,7 @@ async def bench_host_managed(samples: int) -> list[tuple[str, Sample, Sample]]:
                 await check_host_imex_ready(driver_root=root, socket_path=SOCKET)
 
             for label, install in (
-                ("native stand-in ctl", lambda: _native_ctl(root / "opt/bin/nvidia-imex-ctl")),
+                ("native ctl", lambda: _native_ctl(root / "opt/bin/nvidia-imex-ctl")),
                 ("IMEX simulator ctl (Python)", lambda: install_wrappers(root / "opt/bin")),
             ):
                 install()
@@ -243,8 +245,7 @@ async def bench_host_managed(samples: int) -> list[tuple[str, Sample, Sample]]:
 
 def _native_ctl(path: Path) -> None:
     path.unlink(missing_ok=True)
-    path.write_text("#!/bin/sh\necho READY\n")
-    path.chmod(0o755)
+    shutil.copy2(native_imex_ctl(), path)
 
 
 async def bench_cluster(bench: Bench, samples: int) -> Sample:

@@ -278,7 +278,6 @@ async def run(bench: Bench) -> None:
         hosting=Hosting(
             plugins_per_host=per_host,
             daemons_per_host=per_host,
-            fast_imex_ctl=True,
             # A dead peer is still noticed within 20 s (a ping unanswered for 4 x 5 s), with 2.5x fewer
             # heartbeats than 2 s x 10: the 72 simulators' heartbeats (17 links each way) cost ~0.33 core at
             # 2 s, ~0.12 at 5 s (18 simulators alone: 4.6 -> 1.7 ms of CPU per second each).

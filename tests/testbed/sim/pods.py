@@ -81,19 +81,6 @@ log = logging.getLogger("sim.pods")
 FINALIZER: Final = "sim.testbed.computedomain/container-runtime"
 CDI_ANNOTATION: Final = "testbed.computedomain/cdi-devices"
 MAX_BACKOFF_S: Final = 300.0
-# `-c <cfg> -q` in bash: one line to the command service (tests.testbed.imex_simulator.wire), print the "state" it answers
-# (the first key of the status document), UNAVAILABLE + exit 1 when unreachable. Anything else: the real ctl.
-FAST_CTL: Final = r"""#!/bin/bash
-[ "$#" -eq 3 ] && [ "$1" = "-c" ] && [ "$3" = "-q" ] || exec @CTL@ "$@"
-ip=; port=50005
-while IFS='=' read -r key value; do
-  case "$key" in IMEX_CMD_BIND_INTERFACE_IP) ip=$value;; IMEX_CMD_PORT) port=$value;; esac
-done < "$2"
-if ! exec 3<>"/dev/tcp/$ip/$port"; then echo UNAVAILABLE; exit 1; fi 2>/dev/null
-printf '{"cmd":"status"}\n' >&3
-IFS= read -r -t 5 line <&3 || { echo UNAVAILABLE; exit 1; }
-case "$line" in '{"state":"'*) state=${line#'{"state":"'}; echo "${state%%\"*}";; *) echo UNAVAILABLE; exit 1;; esac
-"""
 
 
 @dataclass(frozen=True)
@@ -103,9 +90,6 @@ class Hosting:
     plugins_per_host: int = 1
     daemons_per_host: int = 1
     controller_scope: str | None = None  # namespace of the ComputeDomains the controller handles
-    # Daemon probes (`nvidia-imex-ctl -c <cfg> -q`) through a bash client of the simulator's command service
-    # instead of the simulator's Python ctl (~0.1 s of CPU per exec; 72 daemons probe every second at start).
-    fast_imex_ctl: bool = False
     # Heartbeat interval and misses of the simulated IMEX peers. The defaults (0.5 s x 3) detect a dead peer
     # quickly in small tests; a 72-node domain on 2 cores needs more slack, or peers of a busy process look
     # dead and links churn.
@@ -285,11 +269,6 @@ class PodWorker:
             forked.chmod(0o755)
             wrapper = Path(out["IMEX_BINARY"])
             wrapper.write_text(wrapper.read_text().replace("\nexec ", f"\nexec {shlex.quote(str(forked))} ", 1))
-        if self.runner.hosting.fast_imex_ctl and "IMEX_CTL_BINARY" in out:
-            fast = bin_dir / "nvidia-imex-ctl-fast"
-            fast.write_text(FAST_CTL.replace("@CTL@", shlex.quote(out["IMEX_CTL_BINARY"])))
-            fast.chmod(0o755)
-            out["IMEX_CTL_BINARY"] = str(fast)
         return out
 
     @property
