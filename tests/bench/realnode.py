@@ -11,7 +11,10 @@ simulator chrooted into each node's driver root). Per round, on the first node, 
   0014); the ratios of their medians to the pod without a claim are the cost of the claim. In driverManaged
   mode the controller labels the node once the claim is allocated there, which brings the domain's IMEX
   daemon, and the claim's Prepare returns once that daemon's entry is Ready: each sample starts on a node
-  without the daemon (the previous one is gone), as a job's first pod on a node does. In hostManaged mode it runs the chrooted `nvidia-imex-ctl -q`.
+  without the daemon (the previous one is gone), as a job's first pod on a node does. In hostManaged mode
+  it runs the chrooted `nvidia-imex-ctl -q`. In driverManaged mode also a pod without a claim and without
+  any volume (no service account token): the kubelet waits for a pod's volumes before it starts it, so
+  this is how fast the domain's daemon pod would start without them.
 - the node agent's Prepare of the first pod's claim and of the further pod's (its domain ready on the node:
   SPEC 9's ready-domain Prepare, on a real kubelet) and Unprepare of the further pod's (the one Unprepare
   that nothing else follows closely in either mode), from its own `nvidia_dra_request_duration_seconds`
@@ -230,6 +233,12 @@ class Figures:
             return section.figure(Figure(key, title, simulated=kw.pop("simulated", REAL), **kw))
 
         self.plain = {m: fig(f"plain-{m}", f"{m}: pod without a claim, create -> Running") for m in MODES}
+        # What a pod without any volume (no service account token) takes: the kubelet's volume wait is what a
+        # daemon pod without volumes would save (design note 0009's table of other designs).
+        self.bare = fig("bare-driverManaged", "driverManaged: pod without a claim and without volumes "
+                        "(automountServiceAccountToken: false), create -> Running")  # fmt: skip
+        self.bare_ratio = fig("bare-ratio-driverManaged", "driverManaged: pod without volumes / no claim (round medians)",
+                              unit="x")  # fmt: skip
         self.claim = {m: fig(f"claim-{m}", f"{m}: pod with a channel claim, create -> Running") for m in MODES}
         self.ratio = {
             m: fig(
@@ -472,6 +481,7 @@ class RealBench:
         node = self.nodes.nodes[0]
         steps: dict[str, list[float]] = {step: [] for step, _ in STEPS[mode]}
         plain: list[float] = []
+        bare: list[float] = []
         claim: list[float] = []
         further: list[float] = []
         prepares: list[float] = []
@@ -484,6 +494,10 @@ class RealBench:
             name = f"plain-{index}-{sample}"
             plain.append(await self.pod_running(release, work, name, node, None))
             await self.delete_pod(release, work, name)
+            if mode == "driverManaged":
+                name = f"bare-{index}-{sample}"
+                bare.append(await self.pod_running(release, work, name, node, None, volumes=False))
+                await self.delete_pod(release, work, name)
 
             agent = _agent(system, node.name)
             before = await self.calls(release, agent)
@@ -553,6 +567,9 @@ class RealBench:
                 await wait_for(lambda: not any(COMPUTE_DOMAIN_LABEL in (p["metadata"].get("labels") or {})
                                                for p in system.seen.values()), 300, "the IMEX daemon gone")  # fmt: skip
         self.f.plain[mode].round(plain)
+        if bare:
+            self.f.bare.round(bare)
+            self.f.bare_ratio.round([statistics.median(bare) / statistics.median(plain)])
         self.f.claim[mode].round(claim)
         self.f.ratio[mode].round([statistics.median(claim) / statistics.median(plain)])
         self.f.further[mode].round(further)
@@ -583,7 +600,7 @@ class RealBench:
 
     async def pod_running(
         self, release: RealRelease, work: Pods, name: str, node: Node, template: str | None,
-        timeline: Timeline | None = None,
+        timeline: Timeline | None = None, volumes: bool = True,
     ) -> float:  # fmt: skip
         spec: dict[str, Any] = {
             "nodeSelector": {"kubernetes.io/hostname": node.name},
@@ -591,6 +608,8 @@ class RealBench:
             "terminationGracePeriodSeconds": 1,
             "containers": [{"name": "c", "image": IMAGE, "command": ["sleep", "3600"]}],
         }
+        if not volumes:
+            spec["automountServiceAccountToken"] = False
         if template:
             spec["containers"][0]["resources"] = {"claims": [{"name": "channel"}]}
             spec["resourceClaims"] = [{"name": "channel", "resourceClaimTemplateName": template}]
