@@ -960,7 +960,9 @@ async def test_pings_never_read_do_not_hold_the_connection(preparer: FakePrepare
     """A flood of PINGs whose ACKs the peer never reads: the server stops reading and holds the unsent ACKs;
     at the idle deadline (3 s here, time for the flood to fill the buffers) the connection is reset, not
     closed after a flush that never comes (the previous server kept it for good). The bound on frames outside
-    calls, which ends such a flood sooner, is off here: this is about the ACKs a peer does not take."""
+    calls, which ends such a flood sooner, is off here: this is about the ACKs a peer does not take. The
+    server's socket gets a small send buffer, so that the ACKs fill the kernel's buffers within the flood
+    whatever the kernel's autotuning would grant (up to tcp_wmem's 4 MiB, more than the flood sends)."""
     bounds = dataclasses.replace(HEALTH_BOUNDS, idle_s=3.0, control_frames_per_life=None)
     bounded = PluginServer(preparer, paths, health_port=0, health_host="127.0.0.1", health_bounds=bounds)
     await bounded.start()
@@ -976,13 +978,18 @@ async def test_pings_never_read_do_not_hold_the_connection(preparer: FakePrepare
         await loop.sock_sendall(sock, hello.data_to_send())
         ping = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"12345678"  # a PING frame
         served = bounded._servers["health"]
-        stalled = False
+        stalled = shrunk = False
         for _ in range(400):  # until the server holds ACKs it cannot send (it then stops reading)
             with contextlib.suppress(BlockingIOError):
                 sock.send(ping * 256)
             await asyncio.sleep(0.005)
             held = next(iter(served.slots), None)
-            if held is not None and held._transport is not None and held._transport.get_write_buffer_size():
+            if held is None or held._transport is None:
+                continue
+            if not shrunk:
+                held._transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                shrunk = True
+            if held._transport.get_write_buffer_size():
                 stalled = True
                 break
         assert stalled, "the server never held unsent bytes"
