@@ -14,7 +14,8 @@ simulator chrooted into each node's driver root). Per round, on the first node, 
   without the daemon (the previous one is gone), as a job's first pod on a node does. In hostManaged mode
   it runs the chrooted `nvidia-imex-ctl -q`. In driverManaged mode also a pod without a claim and without
   any volume (no service account token): the kubelet waits for a pod's volumes before it starts it, so
-  this is how fast the domain's daemon pod would start without them.
+  its difference to the pod without a claim is that wait, which a daemon pod without volumes would not
+  have (design note 0009).
 - the node agent's Prepare of the first pod's claim and of the further pod's (its domain ready on the node:
   SPEC 9's ready-domain Prepare, on a real kubelet) and Unprepare of the further pod's (the one Unprepare
   that nothing else follows closely in either mode), from its own `nvidia_dra_request_duration_seconds`
